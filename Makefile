@@ -1,0 +1,46 @@
+# Two-command quickstart: `make demo`, `make test`. Everything installs into .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_USAGE_STATS_ENABLED := 0
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: setup test lint format demo bench proto clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m distill.demo $(DEMO_ARGS)
+
+bench: setup
+	@for script in bench/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+# Regenerate Python from protos/*.proto into services/proto/ (a test checks it is current).
+proto: setup
+	@if ls protos/*.proto >/dev/null 2>&1; then \
+	  mkdir -p services/proto && \
+	  $(PY) -m grpc_tools.protoc -Iprotos --python_out=services/proto \
+	    --grpc_python_out=services/proto --pyi_out=services/proto protos/*.proto; \
+	else echo "no .proto files yet"; fi
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

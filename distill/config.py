@@ -1,0 +1,337 @@
+"""Typed, validated configuration for models, rollout, objectives, losses, data and jobs.
+
+Every config is a frozen pydantic model that forbids unknown fields. Construction failures
+raise :class:`ConfigError` whose lines read "`section.field` must ...; received ...".
+Choice fields are ``Literal`` types; the supported combinations of the rollout contract are
+listed once, in :data:`SUPPORTED_CONTRACTS`.
+
+YAML files are loaded with :func:`load_config`, with dotted command-line overrides such as
+``model.n_layers=4`` applied before validation.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+AttentionType = Literal["causal", "block_diffusion"]
+DType = Literal["float32", "bfloat16"]
+Alignment = Literal["same_position", "shifted"]
+Canvas = Literal["all_masked", "seed_and_mask"]
+Context = Literal["clean", "corrupted"]
+CommitRule = Literal["threshold", "schedule"]
+Confidence = Literal["max_prob", "sampled_prob"]
+ScheduleStrategy = Literal["confidence", "random", "entropy", "margin"]
+ObjectiveKind = Literal["block_ce", "mdlm", "self_corrupted", "coordination", "cmd"]
+LossKind = Literal["reverse_kl", "forward_kl", "reverse_kl_full", "jsd"]
+Advantage = Literal["token", "return_to_go", "sequence"]
+TaskName = Literal["copy", "reverse", "sort", "addition", "agree", "sudoku"]
+
+# The only (alignment, canvas) pairs accepted anywhere; everything else fails closed.
+SUPPORTED_CONTRACTS: frozenset[tuple[str, str]] = frozenset(
+    {("same_position", "all_masked"), ("shifted", "seed_and_mask")}
+)
+
+
+class ConfigError(ValueError):
+    """A configuration failed validation; the message names every offending field."""
+
+
+def _describe(error: Mapping[str, Any], prefix: str) -> str:
+    location = ".".join(str(part) for part in (prefix, *error["loc"]) if part != "")
+    message = str(error["msg"])
+    if message.startswith("Value error, "):
+        # Our validators phrase "`field` must ...; received ..." with the field relative to
+        # their own model; prefix it with where that model sits.
+        message = message.removeprefix("Value error, ")
+        if location and message.startswith("`"):
+            message = f"`{location}.{message[1:]}"
+        return message
+    received = error.get("input")
+    if error["type"] == "extra_forbidden":
+        return f"`{location}` is not a known field; received {received!r}"
+    if error["type"] == "missing":
+        return f"`{location}` must be given; it is missing"
+    if message.startswith("Input should"):
+        message = "must" + message.removeprefix("Input should")
+    else:
+        message = f"must be valid ({message})"
+    return f"`{location}` {message}; received {received!r}"
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """Render a pydantic error as one "`field` must ...; received ..." line per problem."""
+    return "\n".join(_describe(item, prefix) for item in error.errors())
+
+
+def _field_error(field: str, requirement: str, received: Any) -> ValueError:
+    return ValueError(f"`{field}` must {requirement}; received {received!r}")
+
+
+def check_contract(alignment: str, canvas: str, *, prefix: str = "") -> None:
+    """Fail closed unless (alignment, canvas) is one of :data:`SUPPORTED_CONTRACTS`."""
+    if (alignment, canvas) not in SUPPORTED_CONTRACTS:
+        supported = ", ".join(f"{a}+{c}" for a, c in sorted(SUPPORTED_CONTRACTS))
+        raise _field_error(
+            f"{prefix}canvas",
+            f"pair with {prefix}alignment as one of {supported}",
+            f"{alignment}+{canvas}",
+        )
+
+
+_NESTING: contextvars.ContextVar[int] = contextvars.ContextVar("config_nesting", default=0)
+
+
+class _Config(BaseModel):
+    """Base: frozen, no unknown fields, errors re-raised as :class:`ConfigError`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    section: ClassVar[str] = ""
+
+    def __init__(self, **data: Any) -> None:
+        # pydantic calls a custom __init__ for nested configs too; only the outermost call
+        # formats, so nested locations come out once, as "outer.inner.field".
+        depth = _NESTING.set(_NESTING.get() + 1)
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            if _NESTING.get() > 1:
+                raise
+            raise ConfigError(format_validation_error(error, self.section)) from None
+        finally:
+            _NESTING.reset(depth)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Self:
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"`{cls.section or 'config'}` must be a mapping; received {data!r}")
+        return cls(**dict(data or {}))
+
+
+class ModelConfig(_Config):
+    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+
+    section: ClassVar[str] = "model"
+
+    vocab_size: int = Field(gt=0)
+    d_model: int = Field(default=64, gt=0)
+    n_layers: int = Field(default=2, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+    n_kv_heads: int = Field(default=2, gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    d_ff: int = Field(default=128, gt=0)
+    rope_theta: float = Field(default=10_000.0, gt=0)
+    norm_eps: float = Field(default=1e-6, gt=0)
+    tie_embeddings: bool = True
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"
+    attention_type: AttentionType = "block_diffusion"
+    block_size: int = Field(default=4, gt=0)
+    max_length: int = Field(default=256, gt=0)
+    init_std: float = Field(default=0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> Self:
+        if self.n_heads % self.n_kv_heads:
+            raise _field_error("n_kv_heads", f"divide n_heads={self.n_heads}", self.n_kv_heads)
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise _field_error(
+                "d_model",
+                f"be divisible by n_heads={self.n_heads} when head_dim is unset",
+                self.d_model,
+            )
+        if self.resolved_head_dim % 2:
+            raise _field_error("head_dim", "be even (RoPE rotates pairs)", self.resolved_head_dim)
+        return self
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+
+class RolloutConfig(_Config):
+    """Low-confidence block denoising: contract, commit rule and sampling settings."""
+
+    section: ClassVar[str] = "rollout"
+
+    alignment: Alignment = "same_position"
+    canvas: Canvas = "all_masked"
+    commit_rule: CommitRule = "threshold"
+    threshold: float = Field(default=0.9, ge=0.0, le=1.0)
+    confidence: Confidence = "max_prob"
+    schedule_steps: int | None = Field(default=None, gt=0)
+    strategy: ScheduleStrategy = "confidence"
+    temperature: float = Field(default=1.0, ge=0.0)
+    greedy: bool = False
+    max_completion_length: int = Field(default=32, gt=0)
+    stop_when_done: bool = True
+    top_k: int | None = Field(default=None, gt=0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        check_contract(self.alignment, self.canvas)
+        if not self.greedy and self.temperature == 0.0:
+            raise _field_error("temperature", "be > 0 unless greedy is true", self.temperature)
+        if self.commit_rule == "schedule" and self.schedule_steps is None:
+            raise _field_error("schedule_steps", "be set when commit_rule is 'schedule'", None)
+        if self.top_k is not None or self.top_p is not None:
+            # Replay must renormalize exactly as rollout does; until both paths implement the
+            # same filter, refusing is the only way to keep replay exact.
+            raise _field_error(
+                "top_k" if self.top_k is not None else "top_p",
+                "be unset (filtered sampling is not replayed exactly yet)",
+                self.top_k if self.top_k is not None else self.top_p,
+            )
+        return self
+
+
+class ObjectiveConfig(_Config):
+    """Block-diffusion warm-up objective and its weights."""
+
+    section: ClassVar[str] = "objective"
+
+    kind: ObjectiveKind = "mdlm"
+    alignment: Alignment = "same_position"
+    canvas: Canvas = "all_masked"
+    context: Context = "clean"
+    min_noise: float = Field(default=0.05, gt=0.0, le=1.0)
+    antithetic: bool = False
+    k_frac: float = Field(default=0.5, ge=0.0, le=1.0)
+    ramp_steps: int = Field(default=1000, ge=0)
+    group: int = Field(default=4, gt=0)
+    alpha: float = Field(default=1.0, ge=0.0)
+    beta: float = Field(default=1.0, ge=0.0)
+    repair_weight: float = Field(default=1.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        check_contract(self.alignment, self.canvas)
+        return self
+
+
+class LossConfig(_Config):
+    """On-policy distillation loss."""
+
+    section: ClassVar[str] = "loss"
+
+    kind: LossKind = "reverse_kl"
+    advantage: Advantage = "return_to_go"
+    ppo_clip: float | None = Field(default=None, gt=0.0)
+    teacher_top_k: int | None = Field(default=None, gt=0)
+    task_reward_weight: float = Field(default=0.0, ge=0.0)
+    kl_reference_weight: float = Field(default=0.0, ge=0.0)
+    max_staleness: int = Field(default=1, ge=0)
+
+
+class DataConfig(_Config):
+    """A deterministic stream of synthetic tasks: spec + seed."""
+
+    section: ClassVar[str] = "data"
+
+    tasks: tuple[TaskName, ...] = ("copy", "agree")
+    seed: int = Field(default=0, ge=0)
+    batch_size: int = Field(default=16, gt=0)
+    min_length: int = Field(default=2, gt=0)
+    max_length: int = Field(default=6, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if not self.tasks:
+            raise _field_error("tasks", "name at least one task", list(self.tasks))
+        if len(set(self.tasks)) != len(self.tasks):
+            raise _field_error("tasks", "not repeat a task", list(self.tasks))
+        if self.min_length > self.max_length:
+            raise _field_error("min_length", f"be <= max_length={self.max_length}", self.min_length)
+        return self
+
+
+class OptimizerConfig(_Config):
+    section: ClassVar[str] = "optimizer"
+
+    learning_rate: float = Field(default=1e-3, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    warmup_steps: int = Field(default=0, ge=0)
+    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    microbatches: int = Field(default=1, gt=0)
+
+
+class JobConfig(_Config):
+    """One distillation job: student, teacher, rollout, objective, loss, data, optimizer."""
+
+    student: ModelConfig
+    teacher: ModelConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    tokenizer: dict[str, Any] = Field(default_factory=lambda: {"kind": "char"})
+    seed: int = Field(default=0, ge=0)
+    steps: int = Field(default=100, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.teacher.attention_type != "causal":
+            raise _field_error("teacher.attention_type", "be 'causal'", self.teacher.attention_type)
+        if self.student.attention_type != "block_diffusion":
+            raise _field_error(
+                "student.attention_type", "be 'block_diffusion'", self.student.attention_type
+            )
+        if self.student.vocab_size != self.teacher.vocab_size:
+            raise _field_error(
+                "student.vocab_size",
+                f"equal teacher.vocab_size={self.teacher.vocab_size}",
+                self.student.vocab_size,
+            )
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"`override` must be a dotted path like a.b=value; received {dotted!r}")
+    node = tree
+    for index, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parts[: index + 1])
+            raise ConfigError(f"`{prefix}` must be a section to set {dotted}; received {child!r}")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``a.b.c=value`` applied (value parsed as YAML)."""
+    merged = yaml.safe_load(yaml.safe_dump(dict(data))) or {}
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"`override` must have the form a.b=value; received {override!r}")
+        path, raw = override.split("=", 1)
+        _set_dotted(merged, path.strip(), yaml.safe_load(raw))
+    return merged
+
+
+ConfigT = TypeVar("ConfigT", bound=_Config)
+
+
+def load_config(
+    path: str | Path | None,
+    cls: type[ConfigT] = JobConfig,  # type: ignore[assignment]
+    overrides: Sequence[str] = (),
+) -> ConfigT:
+    """Load a YAML file (or start empty when ``path`` is None), apply overrides, validate."""
+    data: Any = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"`path` must name an existing YAML file; received {str(file)!r}")
+        data = yaml.safe_load(file.read_text()) or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"`path` must hold a YAML mapping; received {type(data).__name__}")
+    return cls.from_dict(apply_overrides(data, overrides))

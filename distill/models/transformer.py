@@ -1,0 +1,301 @@
+"""One Llama-style decoder for the causal teacher and the block-diffusion student.
+
+RMSNorm, RoPE on logical positions (Hugging Face "rotate half" convention), SwiGLU MLP,
+grouped-query attention, tied or untied embeddings, float32 or bfloat16 parameters. The
+attention pattern comes from :mod:`distill.models.masks`: ``causal`` or ``block_diffusion``
+over logical positions and segments, optionally with packed canvas chunks, optionally
+against a :class:`~distill.models.kv_cache.KVCache` of clean tokens.
+
+Shapes: ``tokens``, ``positions``, ``segment_ids``, ``chunk_ids`` are ``[B, L]`` int;
+logits are ``[B, L, vocab_size]`` float32. Segment 0 marks padding.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distill.config import ModelConfig
+from distill.models import masks
+from distill.models.kv_cache import KVCache
+from distill.models.sharding import constrain
+
+
+class LogitsModel(Protocol):
+    """Anything that maps a token layout to next/same-position logits."""
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        chunk_ids: jax.Array | None = None,
+    ) -> jax.Array: ...
+
+
+def _init(names: tuple[str, ...], std: float) -> nnx.Initializer:
+    # Annotations only: placement happens in sharding.shard_module, never at init.
+    return nnx.with_partitioning(nnx.initializers.normal(stddev=std), names, eager_sharding=False)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate ``x`` ``[B, T, H, D]`` by its logical ``positions`` ``[B, T]``."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.resolved_head_dim
+        self.rope_theta = config.rope_theta
+        std, d = config.init_std, config.d_model
+        common = dict(use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(
+            d, self.n_heads * self.head_dim, kernel_init=_init(("embed", "heads"), std), **common
+        )
+        self.k_proj = nnx.Linear(
+            d,
+            self.n_kv_heads * self.head_dim,
+            kernel_init=_init(("embed", "kv_heads"), std),
+            **common,
+        )
+        self.v_proj = nnx.Linear(
+            d,
+            self.n_kv_heads * self.head_dim,
+            kernel_init=_init(("embed", "kv_heads"), std),
+            **common,
+        )
+        self.o_proj = nnx.Linear(
+            self.n_heads * self.head_dim, d, kernel_init=_init(("heads", "embed"), std), **common
+        )
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        cached: tuple[jax.Array, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attend ``x`` ``[B, T, d]`` to (cached keys ++ its own keys) under ``mask``
+        ``[B, T, S + T]``. Returns the output and this call's own post-RoPE (k, v)."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        q = rotary_embedding(q, positions, self.rope_theta)
+        k = rotary_embedding(k, positions, self.rope_theta)
+        new_kv = (k, v)
+        if cached is not None:
+            k = jnp.concatenate([cached[0].astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([cached[1].astype(v.dtype), v], axis=1)
+        group = self.n_heads // self.n_kv_heads
+        q = q.reshape(batch, length, self.n_kv_heads, group, self.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
+        allowed = mask[:, None, None, :, :]
+        scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        # A query with no visible key (padding) gets an exact zero output, not a uniform mix.
+        probs = jnp.where(jnp.any(allowed, axis=-1, keepdims=True), probs, 0.0)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+        out = out.reshape(batch, length, self.n_heads * self.head_dim)
+        return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        std = config.init_std
+        common = dict(use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+        d, ff = config.d_model, config.d_ff
+        self.gate_proj = nnx.Linear(d, ff, kernel_init=_init(("embed", "mlp"), std), **common)
+        self.up_proj = nnx.Linear(d, ff, kernel_init=_init(("embed", "mlp"), std), **common)
+        self.down_proj = nnx.Linear(ff, d, kernel_init=_init(("mlp", "embed"), std), **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = nnx.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(constrain(hidden, ("batch", "length", "mlp")))
+
+
+def _rms_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(
+        config.d_model,
+        epsilon=config.norm_eps,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        scale_init=nnx.with_partitioning(nnx.initializers.ones, ("norm",), eager_sharding=False),
+        rngs=rngs,
+    )
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_norm = _rms_norm(config, rngs)
+        self.attention = Attention(config, rngs=rngs)
+        self.post_attention_norm = _rms_norm(config, rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, positions, mask, cached):
+        attended, new_kv = self.attention(self.input_norm(x), positions, mask, cached)
+        x = x + attended
+        x = x + self.mlp(self.post_attention_norm(x))
+        return constrain(x, ("batch", "length", "embed")), new_kv
+
+
+class Transformer(nnx.Module):
+    """The decoder. ``config.attention_type`` fixes its attention pattern."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(
+            config.vocab_size,
+            config.d_model,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            embedding_init=_init(("vocab", "embed"), config.init_std),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.final_norm = _rms_norm(config, rngs)
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else nnx.Linear(
+                config.d_model,
+                config.vocab_size,
+                use_bias=False,
+                dtype=config.dtype,
+                param_dtype=config.param_dtype,
+                kernel_init=_init(("embed", "vocab"), config.init_std),
+                rngs=rngs,
+            )
+        )
+
+    # ---- public API -------------------------------------------------------------------
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        chunk_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits ``[B, L, V]`` float32 of a full forward (no cache)."""
+        return self.logits(self.hidden_states(tokens, positions, segment_ids, chunk_ids=chunk_ids))
+
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        chunk_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final normalized hidden states ``[B, L, d_model]`` (logits = ``logits(hidden)``)."""
+        self._check_layout(tokens, positions, segment_ids, chunk_ids)
+        mask = masks.self_attention_mask(
+            positions,
+            segment_ids,
+            attention_type=self.config.attention_type,
+            block_size=self.config.block_size,
+            chunk_ids=chunk_ids,
+        )
+        hidden, _ = self._run(tokens, positions, mask, cache=None)
+        return hidden
+
+    def decode(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        cache: KVCache,
+        *,
+        write_index: int | jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits of ``T`` new tokens attending to ``cache`` and to each other.
+
+        With ``write_index`` the new tokens' keys/values are stored at slots
+        ``[write_index, write_index + T)`` of the returned cache (do this only for clean
+        tokens: a committed block, or each teacher token); without it the cache is unchanged
+        (a denoising step over a canvas that is not final yet).
+        """
+        self._check_layout(tokens, positions, segment_ids, None)
+        if isinstance(write_index, int) and not (
+            0 <= write_index <= cache.capacity - tokens.shape[1]
+        ):
+            raise ValueError(
+                f"`write_index` must be in [0, {cache.capacity - tokens.shape[1]}] for "
+                f"{tokens.shape[1]} tokens; received {write_index}"
+            )
+        mask = masks.attention_mask(
+            positions,
+            segment_ids,
+            jnp.concatenate([cache.positions, positions], axis=1),
+            jnp.concatenate([cache.segment_ids, segment_ids], axis=1),
+            attention_type=self.config.attention_type,
+            block_size=self.config.block_size,
+        )
+        hidden, new_kv = self._run(tokens, positions, mask, cache=cache)
+        if write_index is not None:
+            cache = cache.write(
+                tuple(k for k, _ in new_kv),
+                tuple(v for _, v in new_kv),
+                positions,
+                segment_ids,
+                write_index,
+            )
+        return self.logits(hidden), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Project hidden states ``[..., d]`` to float32 logits ``[..., V]``."""
+        out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return constrain(out.astype(jnp.float32), ("batch", "length", "vocab"))
+
+    def output_embedding(self) -> jax.Array:
+        """The ``[d_model, vocab]`` matrix that maps hidden states to logits."""
+        if self.lm_head is None:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _run(
+        self, tokens: jax.Array, positions: jax.Array, mask: jax.Array, cache: KVCache | None
+    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        x = constrain(self.embed(tokens), ("batch", "length", "embed"))
+        new_kv = []
+        for index, layer in enumerate(self.layers):
+            cached = None if cache is None else (cache.keys[index], cache.values[index])
+            x, kv = layer(x, positions, mask, cached)
+            new_kv.append(kv)
+        return self.final_norm(x), new_kv
+
+    def _check_layout(self, tokens, positions, segment_ids, chunk_ids) -> None:
+        if tokens.ndim != 2:
+            raise ValueError(f"`tokens` must be [B, L]; received shape {tokens.shape}")
+        for name, array in (
+            ("positions", positions),
+            ("segment_ids", segment_ids),
+            ("chunk_ids", chunk_ids),
+        ):
+            if array is not None and array.shape != tokens.shape:
+                raise ValueError(
+                    f"`{name}` must have the shape of tokens {tokens.shape}; received {array.shape}"
+                )
+        if chunk_ids is not None and self.config.attention_type != "block_diffusion":
+            raise ValueError(
+                "`chunk_ids` must be None unless attention_type is 'block_diffusion'; "
+                f"received chunks with {self.config.attention_type!r}"
+            )

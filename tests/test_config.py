@@ -1,0 +1,117 @@
+"""Configs: validation names the field, YAML + dotted overrides, contract combinations."""
+
+import pytest
+
+from distill.config import (
+    SUPPORTED_CONTRACTS,
+    ConfigError,
+    JobConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    RolloutConfig,
+    apply_overrides,
+    load_config,
+)
+
+JOB_YAML = """
+student: {vocab_size: 50, attention_type: block_diffusion, block_size: 4}
+teacher: {vocab_size: 50, attention_type: causal}
+rollout: {threshold: 0.8}
+objective: {kind: cmd, alpha: 0.5}
+"""
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"vocab_size": 0}, "model.vocab_size"),
+        ({"vocab_size": 10, "n_layers": -1}, "model.n_layers"),
+        ({"vocab_size": 10, "n_heads": 4, "n_kv_heads": 3}, "model.n_kv_heads"),
+        ({"vocab_size": 10, "d_model": 30, "n_heads": 4}, "model.d_model"),
+        ({"vocab_size": 10, "attention_type": "sliding"}, "model.attention_type"),
+        ({"vocab_size": 10, "param_dtype": "float16"}, "model.param_dtype"),
+        ({"vocab_size": 10, "hidden": 3}, "model.hidden"),
+        ({}, "model.vocab_size"),
+    ],
+)
+def test_bad_model_config_names_the_field(fields, field):
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        ModelConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"threshold": 1.5}, "rollout.threshold"),
+        ({"temperature": 0.0}, "rollout.temperature"),
+        ({"commit_rule": "schedule"}, "rollout.schedule_steps"),
+        ({"confidence": "entropy"}, "rollout.confidence"),
+        ({"top_p": 0.9}, "rollout.top_p"),
+        ({"alignment": "shifted", "canvas": "all_masked"}, "rollout.canvas"),
+    ],
+)
+def test_bad_rollout_config_names_the_field(fields, field):
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        RolloutConfig(**fields)
+
+
+def test_error_message_has_the_must_received_form():
+    with pytest.raises(ConfigError) as error:
+        ModelConfig(vocab_size=10, n_layers=-1)
+    assert str(error.value) == "`model.n_layers` must be greater than 0; received -1"
+
+
+@pytest.mark.parametrize(("alignment", "canvas"), sorted(SUPPORTED_CONTRACTS))
+def test_supported_contracts_are_accepted(alignment, canvas):
+    assert RolloutConfig(alignment=alignment, canvas=canvas).canvas == canvas
+    assert ObjectiveConfig(alignment=alignment, canvas=canvas).alignment == alignment
+
+
+def test_unknown_objective_and_negative_weight_are_refused():
+    with pytest.raises(ConfigError, match="`objective.kind`"):
+        ObjectiveConfig(kind="bert")
+    with pytest.raises(ConfigError, match="`objective.alpha`"):
+        ObjectiveConfig(alpha=-1.0)
+
+
+def test_job_config_loads_from_yaml_with_dotted_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB_YAML)
+    job = load_config(path, JobConfig, ["student.n_layers=3", "rollout.greedy=true", "seed=7"])
+    assert job.student.n_layers == 3 and job.rollout.greedy is True and job.seed == 7
+    assert job.rollout.threshold == 0.8 and job.objective.kind == "cmd"
+
+
+def test_nested_errors_carry_the_full_dotted_path(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB_YAML)
+    with pytest.raises(ConfigError, match="`student.n_heads`|`student.n_kv_heads`"):
+        load_config(path, JobConfig, ["student.n_kv_heads=3"])
+    with pytest.raises(ConfigError, match="`loss.kind`"):
+        load_config(path, JobConfig, ["loss.kind=mse"])
+    with pytest.raises(ConfigError, match="`rollout.wat` is not a known field"):
+        load_config(path, JobConfig, ["rollout.wat=1"])
+
+
+def test_job_config_refuses_wrong_roles_and_vocab_mismatch(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB_YAML)
+    with pytest.raises(ConfigError, match="`teacher.attention_type`"):
+        load_config(path, JobConfig, ["teacher.attention_type=block_diffusion"])
+    with pytest.raises(ConfigError, match="`student.vocab_size`"):
+        load_config(path, JobConfig, ["student.vocab_size=51"])
+
+
+def test_bad_overrides_and_paths_are_named():
+    with pytest.raises(ConfigError, match="`override`"):
+        apply_overrides({}, ["no_equals_sign"])
+    with pytest.raises(ConfigError, match="`seed`"):
+        apply_overrides({"seed": 1}, ["seed.x=2"])
+    with pytest.raises(ConfigError, match="`path`"):
+        load_config("/does/not/exist.yaml", JobConfig)
+
+
+def test_configs_are_frozen():
+    config = ModelConfig(vocab_size=10)
+    with pytest.raises(Exception, match="frozen"):
+        config.n_layers = 5  # type: ignore[misc]
