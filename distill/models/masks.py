@@ -99,6 +99,37 @@ def self_attention_mask(
     )
 
 
+def chunk_masks(
+    chunk_positions: jax.Array,
+    chunk_segments: jax.Array,
+    clean_positions: jax.Array,
+    clean_segments: jax.Array,
+    *,
+    block_size: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The packed-canvas rule split per chunk, for block-sparse attention.
+
+    Chunks are ``[B, C, K]``; clean keys ``[B, S]``. Returns ``mask_clean`` ``[B, C, K, S]``
+    (clean keys of the same segment in earlier blocks) and ``mask_own`` ``[B, C, K, K]``
+    (valid slots of the same chunk and segment). Together they equal the rows of
+    :func:`self_attention_mask` over :func:`pack_canvas_chunks` for the chunk queries.
+    """
+    batch, n_chunks, size = chunk_positions.shape
+    mask_clean = attention_mask(
+        chunk_positions.reshape(batch, n_chunks * size),
+        chunk_segments.reshape(batch, n_chunks * size),
+        clean_positions,
+        clean_segments,
+        attention_type="block_diffusion",
+        block_size=block_size,
+        q_chunks=jnp.ones((batch, n_chunks * size), jnp.int32),
+        k_chunks=jnp.zeros_like(clean_positions),
+    ).reshape(batch, n_chunks, size, -1)
+    qs, ks = chunk_segments[..., :, None], chunk_segments[..., None, :]
+    mask_own = (qs != 0) & (ks != 0) & (qs == ks)
+    return mask_clean, mask_own
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:

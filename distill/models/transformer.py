@@ -91,11 +91,7 @@ class Attention(nnx.Module):
         """Attend ``x`` ``[B, T, d]`` to (cached keys ++ its own keys) under ``mask``
         ``[B, T, S + T]``. Returns the output and this call's own post-RoPE (k, v)."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
-        q = rotary_embedding(q, positions, self.rope_theta)
-        k = rotary_embedding(k, positions, self.rope_theta)
+        q, k, v = self._project(x, positions)
         new_kv = (k, v)
         if cached is not None:
             k = jnp.concatenate([cached[0].astype(k.dtype), k], axis=1)
@@ -112,6 +108,49 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
         out = out.reshape(batch, length, self.n_heads * self.head_dim)
         return self.o_proj(out), new_kv
+
+    def attend_chunks(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        clean: tuple[jax.Array, jax.Array],
+        mask_clean: jax.Array,
+        mask_own: jax.Array,
+    ) -> jax.Array:
+        """Block-sparse attention of canvas chunks ``x`` ``[B, C, K, d]``: each chunk sees
+        the clean keys ``clean`` (``[B, S, Hkv, D]`` each) under ``mask_clean``
+        ``[B, C, K, S]`` and its own keys under ``mask_own`` ``[B, C, K, K]``; never another
+        chunk. Cost grows with C * K * (S + K), not with (S + C * K) ** 2."""
+        batch, n_chunks, size, _ = x.shape
+        flat = x.reshape(batch, n_chunks * size, -1)
+        q, k, v = self._project(flat, positions.reshape(batch, n_chunks * size))
+        group = self.n_heads // self.n_kv_heads
+        q = q.reshape(batch, n_chunks, size, self.n_kv_heads, group, self.head_dim)
+        k = k.reshape(batch, n_chunks, size, self.n_kv_heads, self.head_dim)
+        v = v.reshape(batch, n_chunks, size, self.n_kv_heads, self.head_dim)
+        clean_k, clean_v = (a.astype(k.dtype) for a in clean)
+        f32 = jnp.float32
+        to_clean = jnp.einsum("bcqhgd,bshd->bchgqs", q, clean_k, preferred_element_type=f32)
+        to_own = jnp.einsum("bcqhgd,bckhd->bchgqk", q, k, preferred_element_type=f32)
+        scores = jnp.concatenate([to_clean, to_own], axis=-1) / jnp.sqrt(f32(self.head_dim))
+        allowed = jnp.concatenate([mask_clean, mask_own], axis=-1)[:, :, None, None]
+        scores = jnp.where(allowed, scores, jnp.finfo(f32).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = jnp.where(jnp.any(allowed, axis=-1, keepdims=True), probs, 0.0).astype(v.dtype)
+        n_clean = clean_k.shape[1]
+        out = jnp.einsum("bchgqs,bshd->bcqhgd", probs[..., :n_clean], clean_v) + jnp.einsum(
+            "bchgqk,bckhd->bcqhgd", probs[..., n_clean:], v
+        )
+        return self.o_proj(out.reshape(batch, n_chunks, size, self.n_heads * self.head_dim))
+
+    def _project(self, x: jax.Array, positions: jax.Array):
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        q = rotary_embedding(q, positions, self.rope_theta)
+        k = rotary_embedding(k, positions, self.rope_theta)
+        return q, k, v
 
 
 class MLP(nnx.Module):
@@ -151,6 +190,12 @@ class DecoderLayer(nnx.Module):
         x = x + attended
         x = x + self.mlp(self.post_attention_norm(x))
         return constrain(x, ("batch", "length", "embed")), new_kv
+
+    def chunks(self, x, positions, clean, mask_clean, mask_own):
+        x = x + self.attention.attend_chunks(
+            self.input_norm(x), positions, clean, mask_clean, mask_own
+        )
+        return x + self.mlp(self.post_attention_norm(x))
 
 
 class Transformer(nnx.Module):
@@ -231,6 +276,21 @@ class Transformer(nnx.Module):
         tokens: a committed block, or each teacher token); without it the cache is unchanged
         (a denoising step over a canvas that is not final yet).
         """
+        hidden, cache = self.decode_hidden(
+            tokens, positions, segment_ids, cache, write_index=write_index
+        )
+        return self.logits(hidden), cache
+
+    def decode_hidden(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        cache: KVCache,
+        *,
+        write_index: int | jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """:meth:`decode` returning final hidden states ``[B, T, d]`` instead of logits."""
         self._check_layout(tokens, positions, segment_ids, None)
         if isinstance(write_index, int) and not (
             0 <= write_index <= cache.capacity - tokens.shape[1]
@@ -256,7 +316,46 @@ class Transformer(nnx.Module):
                 segment_ids,
                 write_index,
             )
-        return self.logits(hidden), cache
+        return hidden, cache
+
+    def chunk_hidden_states(
+        self,
+        clean: KVCache,
+        chunk_tokens: jax.Array,
+        chunk_positions: jax.Array,
+        chunk_segments: jax.Array,
+    ) -> jax.Array:
+        """Hidden states ``[B, C, K, d]`` of canvas chunks against a cache of clean tokens.
+
+        Chunk c (``[B, C, K]`` tokens, logical positions, segments; segment 0 = empty slot)
+        is a copy of one block b: it sees cached clean keys of its segment in blocks < b and
+        its own slots, exactly as in the dense packed layout of
+        :func:`~distill.models.masks.pack_canvas_chunks`, at block-sparse cost.
+        """
+        if self.config.attention_type != "block_diffusion":
+            raise ValueError(
+                "`attention_type` must be 'block_diffusion' for canvas chunks; received "
+                f"{self.config.attention_type!r}"
+            )
+        if chunk_tokens.ndim != 3:
+            raise ValueError(f"`chunk_tokens` must be [B, C, K]; received {chunk_tokens.shape}")
+        mask_clean, mask_own = masks.chunk_masks(
+            chunk_positions,
+            chunk_segments,
+            clean.positions,
+            clean.segment_ids,
+            block_size=self.config.block_size,
+        )
+        x = self.embed(chunk_tokens)
+        for index, layer in enumerate(self.layers):
+            x = layer.chunks(
+                x,
+                chunk_positions,
+                (clean.keys[index], clean.values[index]),
+                mask_clean,
+                mask_own,
+            )
+        return self.final_norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Project hidden states ``[..., d]`` to float32 logits ``[..., V]``."""

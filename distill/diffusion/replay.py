@@ -1,0 +1,267 @@
+"""Exact replay of a rollout trace: the log-probability of every recorded action under any
+parameters (live, old or reference student), differentiable.
+
+For every recorded step s of a row, the canvas the student saw is
+``where(completion & (action_steps >= s), mask, tokens)`` (prompt clean); the action's
+log-prob is read where the rollout read it (the slot itself under ``same_position``; the
+previous logical position under ``shifted``) at the rollout's temperature with the mask id
+excluded.
+
+- :func:`replay_per_step`: the reference. One full forward per distinct step
+  (``lax.scan`` with a rematerialized body).
+- :func:`replay_packed`: the fast path. The clean row once, then one canvas chunk per
+  (row, step) holding that step's canvas of its block (DESIGN section 4). ``dense=True``
+  runs the packed row with the dense mask (reference for the packing itself); the default
+  attends each chunk to the cached clean keys (block-sparse), optionally in groups of
+  ``chunks_per_forward`` chunks to bound memory.
+
+Log-probs are gathered with a chunked log-sum-exp over the vocabulary
+(:func:`~distill.models.logprobs.gathered_log_probs`), never as ``[B, L, V]`` logits.
+Both paths return ``[B, L]`` float32 with zeros outside the completion.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from distill.diffusion.denoise import Trace
+from distill.models.kv_cache import KVCache
+from distill.models.logprobs import gathered_log_probs
+from distill.models.masks import pack_canvas_chunks
+from distill.models.transformer import Transformer
+
+
+class TraceError(ValueError):
+    """A trace breaks the replay contract; the message names the field and the row."""
+
+
+def validate_trace(trace: Trace, vocab_size: int | None = None) -> None:
+    """Fail closed unless ``trace`` can be replayed exactly (host-side, numpy).
+
+    Checks: one segment per row with logical positions 0..n-1 in slot order, windows aligned
+    to blocks, a non-empty prompt followed by a non-empty contiguous completion, action
+    steps exactly on the completion, each step inside one block, steps 0..S-1 all used, no
+    mask id left in the completion, finite action log-probs, ids inside the vocabulary.
+    """
+    tokens = np.asarray(trace.tokens)
+    arrays = {
+        "positions": np.asarray(trace.positions),
+        "segment_ids": np.asarray(trace.segment_ids),
+        "prompt_mask": np.asarray(trace.prompt_mask),
+        "completion_mask": np.asarray(trace.completion_mask),
+        "action_steps": np.asarray(trace.action_steps),
+        "action_logps": np.asarray(trace.action_logps),
+    }
+    if tokens.ndim != 2:
+        raise TraceError(f"`trace.tokens` must be [B, L]; received shape {tokens.shape}")
+    for name, array in arrays.items():
+        if array.shape != tokens.shape:
+            raise TraceError(f"`trace.{name}` must have shape {tokens.shape}; got {array.shape}")
+    size, mask_id = trace.block_size, trace.settings.mask_id
+    if tokens.shape[1] % size:
+        raise TraceError(
+            f"`trace.tokens` must span whole blocks of {size}; received length {tokens.shape[1]}"
+        )
+    positions, segments = arrays["positions"], arrays["segment_ids"]
+    prompt, completion = arrays["prompt_mask"], arrays["completion_mask"]
+    steps, logps = arrays["action_steps"], arrays["action_logps"]
+    for row in range(tokens.shape[0]):
+        valid = segments[row] != 0
+        slots = np.flatnonzero(valid)
+
+        def fail(field: str, requirement: str, received: object, row: int = row) -> TraceError:
+            return TraceError(f"`trace.{field}` must {requirement} (row {row}); got {received}")
+
+        if len(np.unique(segments[row][valid])) != 1:
+            raise fail("segment_ids", "hold one segment per row", np.unique(segments[row]))
+        if not np.array_equal(positions[row][slots], np.arange(len(slots))) or not np.all(
+            np.diff(slots) == 1
+        ):
+            raise fail("positions", "be 0..n-1 on consecutive slots", positions[row][slots])
+        if (slots[0] - positions[row][slots[0]]) % size:
+            raise fail("positions", f"align blocks of {size} to slot windows", slots[0])
+        if (prompt[row] & ~valid).any() or (completion[row] & ~valid).any():
+            raise fail("segment_ids", "be non-zero on prompt and completion slots", "padding")
+        if (prompt[row] & completion[row]).any() or not np.array_equal(
+            prompt[row] | completion[row], valid
+        ):
+            raise fail("completion_mask", "split valid slots into prompt and completion", "overlap")
+        if not prompt[row].any():
+            raise fail("prompt_mask", "mark a non-empty prompt", "no prompt")
+        if not completion[row].any():
+            raise fail("completion_mask", "mark a non-empty completion", "no completion")
+        done = np.flatnonzero(completion[row])
+        if not np.all(np.diff(done) == 1) or prompt[row][done[0] :].any():
+            raise fail("completion_mask", "be one contiguous suffix after the prompt", done)
+        if not np.array_equal(steps[row] >= 0, completion[row]):
+            raise fail("action_steps", "be >= 0 exactly on the completion", steps[row])
+        used = np.unique(steps[row][completion[row]])
+        if not np.array_equal(used, np.arange(len(used))):
+            raise fail("action_steps", "use every step 0..S-1", used)
+        for step in used:
+            windows = np.unique(np.flatnonzero(steps[row] == step) // size)
+            if len(windows) != 1:
+                raise fail("action_steps", "commit each step inside one block", step)
+        if (tokens[row][completion[row]] == mask_id).any():
+            raise fail("tokens", f"hold no mask id {mask_id} in the completion", "a mask")
+        if not np.isfinite(logps[row][completion[row]]).all():
+            raise fail("action_logps", "be finite on the completion", "non-finite")
+    if vocab_size is not None and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise TraceError(f"`trace.tokens` must be in [0, {vocab_size}); got {tokens.max()}")
+
+
+def num_steps_bucket(trace: Trace, multiple: int = 8) -> int:
+    """A static step count >= every row's steps, rounded up so shapes stay few."""
+    most = int(np.asarray(trace.action_steps).max()) + 1
+    return max(multiple, -(-most // multiple) * multiple)
+
+
+def _source_offset(trace: Trace) -> int:
+    return 1 if trace.settings.alignment == "shifted" else 0
+
+
+def _log_probs(model: Transformer, hidden, targets, trace: Trace, vocab_chunk) -> jax.Array:
+    return gathered_log_probs(
+        hidden,
+        model.output_embedding(),
+        targets,
+        temperature=trace.settings.temperature,
+        excluded_id=trace.settings.mask_id,
+        vocab_chunk=vocab_chunk,
+    )
+
+
+def _canvas(trace: Trace, step: jax.Array) -> jax.Array:
+    masked = trace.completion_mask & (trace.action_steps >= step)
+    return jnp.where(masked, trace.settings.mask_id, trace.tokens)
+
+
+def replay_per_step(
+    model: Transformer, trace: Trace, *, num_steps: int, vocab_chunk: int | None = 4096
+) -> jax.Array:
+    """Reference replay: one full forward per step ``0..num_steps-1`` (steps no row took
+    contribute nothing). ``num_steps`` is static; use :func:`num_steps_bucket`."""
+    graphdef, state = nnx.split(model)
+    batch, length = trace.tokens.shape
+    size, offset = trace.block_size, _source_offset(trace)
+    rows = jnp.arange(batch)[:, None]
+
+    @jax.checkpoint
+    def body(out, step):
+        student: Transformer = nnx.merge(graphdef, state)
+        hidden = student.hidden_states(_canvas(trace, step), trace.positions, trace.segment_ids)
+        scored = trace.completion_mask & (trace.action_steps == step)
+        # At most one block's slots are scored per row and step: gather them first.
+        slots = jnp.argsort(~scored, axis=1, stable=True)[:, :size]
+        chosen = jnp.take_along_axis(scored, slots, axis=1)
+        source = jnp.maximum(slots - offset, 0)
+        picked = jnp.take_along_axis(hidden, source[..., None], axis=1)
+        targets = jnp.take_along_axis(trace.tokens, slots, axis=1)
+        logp = _log_probs(student, picked, targets, trace, vocab_chunk)
+        return out.at[rows, slots].add(jnp.where(chosen, logp, 0.0)), None
+
+    out, _ = jax.lax.scan(
+        body, jnp.zeros((batch, length), jnp.float32), jnp.arange(num_steps, dtype=jnp.int32)
+    )
+    return out
+
+
+def _chunks(trace: Trace, num_chunks: int) -> tuple[jax.Array, jax.Array]:
+    """Chunk c of a row is step c's canvas of the block that step committed in:
+    ``sources`` ``[B, C, K]`` (slot copied, -1 for a step the row never took) and
+    ``canvas`` ``[B, C, K]``."""
+    size = trace.block_size
+    length = trace.tokens.shape[1]
+    steps = jnp.arange(num_chunks, dtype=jnp.int32)
+    hits = trace.action_steps[:, None, :] == steps[None, :, None]  # [B, C, L]
+    window = jnp.max(jnp.where(hits, jnp.arange(length) // size, -1), axis=-1)  # [B, C]
+    sources = window[..., None] * size + jnp.arange(size)
+    sources = jnp.where(window[..., None] >= 0, sources, -1)
+    safe = jnp.maximum(sources, 0)
+    gather = jax.vmap(lambda row, idx: row[idx])
+    tokens = gather(trace.tokens, safe)
+    masked = gather(trace.completion_mask, safe) & (
+        gather(trace.action_steps, safe) >= steps[None, :, None]
+    )
+    return sources, jnp.where(masked, trace.settings.mask_id, tokens)
+
+
+def _completion_slots(trace: Trace) -> tuple[jax.Array, jax.Array]:
+    """Completion slots of each row, in order: ``slots`` ``[B, N]``, ``present`` ``[B, N]``
+    with ``N = settings.completion_length`` (the completion is contiguous)."""
+    length = trace.tokens.shape[1]
+    start = jnp.argmax(trace.completion_mask, axis=1)
+    slots = jnp.minimum(start[:, None] + jnp.arange(trace.settings.completion_length), length - 1)
+    return slots, jnp.take_along_axis(trace.completion_mask, slots, axis=1)
+
+
+def replay_packed(
+    model: Transformer,
+    trace: Trace,
+    *,
+    num_chunks: int,
+    dense: bool = False,
+    chunks_per_forward: int | None = None,
+    vocab_chunk: int | None = 4096,
+) -> jax.Array:
+    """Fast exact replay over packed canvas chunks (one per row and step).
+
+    ``num_chunks`` (static) must be >= every row's step count (:func:`num_steps_bucket`).
+    ``chunks_per_forward`` (block-sparse path only) bounds how many chunks are attended at
+    once; it must divide ``num_chunks``.
+    """
+    if chunks_per_forward is not None and (
+        chunks_per_forward < 1 or num_chunks % chunks_per_forward
+    ):
+        raise ValueError(
+            f"`chunks_per_forward` must divide num_chunks={num_chunks}; "
+            f"received {chunks_per_forward}"
+        )
+    batch, length = trace.tokens.shape
+    size, offset = trace.block_size, _source_offset(trace)
+    sources, canvas = _chunks(trace, num_chunks)
+    packed = pack_canvas_chunks(trace.tokens, trace.positions, trace.segment_ids, sources, canvas)
+    if dense:
+        hidden = model.hidden_states(
+            packed.tokens, packed.positions, packed.segment_ids, chunk_ids=packed.chunk_ids
+        )
+    else:
+        cache = KVCache.init(model.config, batch, length)
+        clean, cache = model.decode_hidden(
+            trace.tokens, trace.positions, trace.segment_ids, cache, write_index=0
+        )
+        shape = (batch, num_chunks, size)
+        chunk_pos = packed.positions[:, length:].reshape(shape)
+        chunk_seg = packed.segment_ids[:, length:].reshape(shape)
+        group = chunks_per_forward or num_chunks
+        graphdef, state = nnx.split(model)
+
+        @jax.checkpoint
+        def run_group(args):
+            tokens, pos, seg = args
+            return nnx.merge(graphdef, state).chunk_hidden_states(cache, tokens, pos, seg)
+
+        def grouped(array):  # [B, C, K] -> [C / G, B, G, K]
+            return array.reshape(batch, num_chunks // group, group, size).swapaxes(0, 1)
+
+        chunk_hidden = jax.lax.map(
+            run_group, (grouped(canvas), grouped(chunk_pos), grouped(chunk_seg))
+        )
+        chunk_hidden = chunk_hidden.swapaxes(0, 1).reshape(batch, num_chunks * size, -1)
+        hidden = jnp.concatenate([clean, chunk_hidden], axis=1)
+
+    slots, present = _completion_slots(trace)
+    step = jnp.maximum(jnp.take_along_axis(trace.action_steps, slots, axis=1), 0)
+    source = slots - offset
+    in_block = source // size == slots // size
+    source_index = jnp.where(in_block, length + step * size + source % size, source)
+    picked = jnp.take_along_axis(hidden, jnp.maximum(source_index, 0)[..., None], axis=1)
+    targets = jnp.take_along_axis(trace.tokens, slots, axis=1)
+    logp = _log_probs(model, picked, targets, trace, vocab_chunk)
+    rows = jnp.arange(batch)[:, None]
+    return (
+        jnp.zeros((batch, length), jnp.float32).at[rows, slots].add(jnp.where(present, logp, 0.0))
+    )
