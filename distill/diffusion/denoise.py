@@ -227,8 +227,15 @@ def _put_window(array: jax.Array, value: jax.Array, window: jax.Array, size: int
     return jax.lax.dynamic_update_slice_in_dim(array, value, window * size, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def _denoise(graphdef, state, layout: RolloutLayout, keys: jax.Array, settings: SamplingSettings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "prefix_cache"))
+def _denoise(
+    graphdef,
+    state,
+    layout: RolloutLayout,
+    keys: jax.Array,
+    settings: SamplingSettings,
+    prefix_cache: bool = True,
+):
     model: Transformer = nnx.merge(graphdef, state)
     size, first = layout.block_size, layout.first_window
     batch = layout.tokens.shape[0]
@@ -273,6 +280,14 @@ def _denoise(graphdef, state, layout: RolloutLayout, keys: jax.Array, settings: 
             counter = counter + is_anchor
             forwards = forwards + is_anchor
 
+        def window_logits(w_tokens):
+            if prefix_cache:
+                return model.decode(w_tokens, w_pos, w_seg, cache)[0]
+            # Reference path: recompute the whole row every step (same logits, more work).
+            full = _put_window(canvas, w_tokens, window, size)
+            hidden = model.hidden_states(full, layout.positions, layout.segment_ids)
+            return model.logits(_window(hidden, window, size))
+
         def pending_of(w_steps):
             return w_completion & (w_steps < 0)
 
@@ -284,7 +299,7 @@ def _denoise(graphdef, state, layout: RolloutLayout, keys: jax.Array, settings: 
             w_tokens, w_steps, w_logps, counter, forwards, taken = state
             pending = pending_of(w_steps)
             active = pending.any(-1)
-            logits, _ = model.decode(w_tokens, w_pos, w_seg, cache)
+            logits = window_logits(w_tokens)
             if shifted:
                 logits = jnp.concatenate([last_logits[:, None], logits[:, :-1]], axis=1)
             log_probs = _tempered_log_probs(logits, settings)
@@ -349,11 +364,15 @@ def denoise(
     layout: RolloutLayout,
     keys: jax.Array,
     settings: SamplingSettings,
+    *,
+    prefix_cache: bool = True,
 ) -> Trace:
     """Generate every completion slot of ``layout`` and return the trace.
 
     ``model`` must be a ``block_diffusion`` transformer whose ``block_size`` equals the
     layout's; ``keys`` holds one PRNG key per row (see :func:`row_keys`).
+    ``prefix_cache=False`` recomputes the whole row at every step instead of attending to
+    cached clean blocks: the same trace at far higher cost (a reference and a baseline).
     """
     config = model.config
     if config.attention_type != "block_diffusion":
@@ -378,7 +397,7 @@ def denoise(
             f"received {settings.stop_ids}"
         )
     graphdef, state = nnx.split(model)
-    return _denoise(graphdef, state, layout, keys, settings)
+    return _denoise(graphdef, state, layout, keys, settings, prefix_cache)
 
 
 def rollout(
@@ -390,6 +409,7 @@ def rollout(
     global_step: int,
     mode: Mode = "train",
     row_ids: Sequence[int] | None = None,
+    prefix_cache: bool = True,
 ) -> Trace:
     """Lay out ``prompts`` and denoise them (see :func:`denoise`)."""
     layout = build_rollout_layout(
@@ -403,4 +423,5 @@ def rollout(
     ids = range(len(prompts)) if row_ids is None else row_ids
     if len(ids) != len(prompts):
         raise ValueError(f"`row_ids` must have one id per prompt; received {len(ids)}")
-    return denoise(model, layout, row_keys(seed, global_step, mode, ids), settings)
+    keys = row_keys(seed, global_step, mode, ids)
+    return denoise(model, layout, keys, settings, prefix_cache=prefix_cache)

@@ -1,0 +1,182 @@
+"""Exact replay: per-step reference and packed fast paths reproduce the rollout."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from distill.config import RolloutConfig
+from distill.diffusion import replay
+from distill.diffusion.denoise import SamplingSettings, rollout
+from tests.diffusion.conftest import COMPLETION
+
+CONTRACTS = [("same_position", "all_masked"), ("shifted", "seed_and_mask")]
+
+
+@functools.partial(nnx.jit, static_argnames=("num_steps",))
+def per_step(model, trace, num_steps):
+    return replay.replay_per_step(model, trace, num_steps=num_steps, vocab_chunk=16)
+
+
+@functools.partial(nnx.jit, static_argnames=("num_chunks", "dense", "chunks_per_forward"))
+def packed(model, trace, num_chunks, dense=False, chunks_per_forward=None):
+    return replay.replay_packed(
+        model, trace, num_chunks=num_chunks, dense=dense, chunks_per_forward=chunks_per_forward
+    )
+
+
+def make_trace(student, tokenizer, prompts, alignment, canvas, greedy, seed=0):
+    config = RolloutConfig(
+        max_completion_length=COMPLETION,
+        alignment=alignment,
+        canvas=canvas,
+        threshold=0.08,  # a mix of one- and multi-token steps with this model
+        greedy=greedy,
+        temperature=0.8,
+    )
+    settings = SamplingSettings.from_config(config, tokenizer.special)
+    return rollout(student, prompts, settings, seed=seed, global_step=0)
+
+
+@pytest.fixture(scope="module", params=[(c, g) for c in CONTRACTS for g in (False, True)])
+def case(request, student, tokenizer, prompts):
+    (alignment, canvas), greedy = request.param
+    trace = make_trace(student, tokenizer, prompts, alignment, canvas, greedy)
+    replay.validate_trace(trace, tokenizer.vocab_size)
+    return trace
+
+
+def test_rollout_takes_multi_token_steps(case):
+    assert 1.0 < case.tokens_per_forward() < COMPLETION
+
+
+def test_per_step_replay_equals_rollout_log_probs(student, case):
+    logps = per_step(student, case, replay.num_steps_bucket(case))
+    np.testing.assert_allclose(logps, case.action_logps, atol=1e-5, rtol=0)
+
+
+def test_dense_packed_replay_equals_rollout_log_probs(student, case):
+    logps = packed(student, case, replay.num_steps_bucket(case), dense=True)
+    np.testing.assert_allclose(logps, case.action_logps, atol=1e-5, rtol=0)
+
+
+def test_block_sparse_packed_replay_equals_rollout_log_probs(student, case):
+    n = replay.num_steps_bucket(case)
+    np.testing.assert_allclose(packed(student, case, n), case.action_logps, atol=1e-5, rtol=0)
+    grouped = packed(student, case, n, chunks_per_forward=n // 2)
+    np.testing.assert_allclose(grouped, case.action_logps, atol=1e-5, rtol=0)
+
+
+def test_replay_is_zero_outside_the_completion(student, case):
+    logps = np.asarray(packed(student, case, replay.num_steps_bucket(case)))
+    assert (logps[~np.asarray(case.completion_mask)] == 0).all()
+    assert (logps[np.asarray(case.completion_mask)] < 0).all()
+
+
+@pytest.fixture(scope="module", params=CONTRACTS)
+def stochastic_case(request, student, tokenizer, prompts):
+    return make_trace(student, tokenizer, prompts, *request.param, greedy=False)
+
+
+@pytest.mark.parametrize("path", ["per_step", "packed"])
+def test_gradient_through_replay_is_finite_and_non_zero(student, stochastic_case, path):
+    case = stochastic_case
+    n = replay.num_steps_bucket(case)
+
+    def total(model):
+        if path == "per_step":
+            logps = replay.replay_per_step(model, case, num_steps=n, vocab_chunk=16)
+        else:
+            logps = replay.replay_packed(model, case, num_chunks=n)
+        return jnp.sum(logps)
+
+    grads = nnx.jit(nnx.grad(total))(student)
+    leaves = jax.tree.leaves(nnx.state(grads))
+    assert all(bool(jnp.isfinite(leaf).all()) for leaf in leaves)
+    assert sum(float(jnp.abs(leaf).sum()) for leaf in leaves) > 0
+
+
+def test_replay_under_other_parameters_gives_other_log_probs(student, case):
+    other = nnx.clone(student)
+    other.layers[0].mlp.up_proj.kernel[...] = other.layers[0].mlp.up_proj.kernel[...] * 3.0
+    logps = packed(other, case, replay.num_steps_bucket(case))
+    assert np.abs(np.asarray(logps - case.action_logps)).max() > 1e-3
+
+
+# ---- fail-closed validation ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def valid_trace(student, tokenizer, prompts):
+    return make_trace(student, tokenizer, prompts, "same_position", "all_masked", False)
+
+
+def edited(trace, field, edit):
+    array = np.array(getattr(trace, field))
+    edit(array)
+    return dataclasses.replace(trace, **{field: jnp.asarray(array)})
+
+
+def first_completion_slot(trace, row=0):
+    return int(np.argmax(np.asarray(trace.completion_mask)[row]))
+
+
+def test_non_contiguous_completion_is_refused(valid_trace):
+    slot = first_completion_slot(valid_trace) + 2
+
+    def hole(completion):
+        completion[0, slot] = False
+
+    trace = edited(valid_trace, "completion_mask", hole)
+    trace = edited(trace, "prompt_mask", lambda prompt: prompt.__setitem__((0, slot), True))
+    trace = edited(trace, "action_steps", lambda steps: steps.__setitem__((0, slot), -1))
+    with pytest.raises(replay.TraceError, match="`trace.completion_mask`.*contiguous"):
+        replay.validate_trace(trace)
+
+
+def test_positions_not_counting_from_zero_are_refused(valid_trace):
+    trace = edited(valid_trace, "positions", lambda positions: positions.__iadd__(1))
+    with pytest.raises(replay.TraceError, match="`trace.positions`"):
+        replay.validate_trace(trace)
+
+
+def test_unresolved_mask_is_refused(valid_trace):
+    slot = first_completion_slot(valid_trace)
+    mask_id = valid_trace.settings.mask_id
+    trace = edited(valid_trace, "tokens", lambda tokens: tokens.__setitem__((0, slot), mask_id))
+    with pytest.raises(replay.TraceError, match="`trace.tokens`.*mask id"):
+        replay.validate_trace(trace)
+
+
+def test_non_finite_log_probs_are_refused(valid_trace):
+    slot = first_completion_slot(valid_trace)
+    trace = edited(valid_trace, "action_logps", lambda lp: lp.__setitem__((0, slot), np.nan))
+    with pytest.raises(replay.TraceError, match="`trace.action_logps`"):
+        replay.validate_trace(trace)
+
+
+def test_action_steps_that_do_not_match_the_completion_are_refused(valid_trace):
+    slot = first_completion_slot(valid_trace)
+    trace = edited(valid_trace, "action_steps", lambda steps: steps.__setitem__((0, slot), -1))
+    with pytest.raises(replay.TraceError, match="`trace.action_steps`"):
+        replay.validate_trace(trace)
+    trace = edited(valid_trace, "action_steps", lambda steps: steps.__setitem__((0, slot), 50))
+    with pytest.raises(replay.TraceError, match="`trace.action_steps`"):
+        replay.validate_trace(trace)
+
+
+def test_nan_parameters_give_a_trace_that_is_refused(student, tokenizer, prompts):
+    broken = nnx.clone(student)
+    broken.final_norm.scale[...] = broken.final_norm.scale[...] * jnp.nan
+    trace = make_trace(broken, tokenizer, prompts, "same_position", "all_masked", False)
+    with pytest.raises(replay.TraceError, match="`trace.action_logps`|`trace.tokens`"):
+        replay.validate_trace(trace)
+
+
+def test_chunks_per_forward_must_divide_the_chunk_count(student, valid_trace):
+    with pytest.raises(ValueError, match="`chunks_per_forward`"):
+        replay.replay_packed(student, valid_trace, num_chunks=8, chunks_per_forward=3)
