@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from distill.config import ConfigError, RolloutConfig
-from distill.diffusion.denoise import SamplingSettings, row_keys, rollout
+from distill.diffusion.denoise import SamplingSettings, rollout, row_keys
 from tests.diffusion.conftest import COMPLETION
 
 
