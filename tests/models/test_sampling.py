@@ -1,0 +1,83 @@
+"""Teacher autoregressive sampling with the KV cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from distill.config import ModelConfig
+from distill.models.sampling import sample_causal
+from distill.models.transformer import Transformer
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    config = ModelConfig(
+        vocab_size=23,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        attention_type="causal",
+        init_std=0.2,
+    )
+    return Transformer(config, rngs=nnx.Rngs(0))
+
+
+def test_greedy_cached_sampling_equals_argmax_of_full_recompute(teacher):
+    prompts = [[5, 6, 7], [8]]
+    sample = sample_causal(
+        teacher,
+        prompts,
+        max_new_tokens=6,
+        key=jax.random.key(0),
+        pad_id=0,
+        stop_ids=(3,),
+        excluded_ids=(1,),
+        greedy=True,
+    )
+    for row, prompt in enumerate(prompts):
+        sequence = list(prompt)
+        for step in range(6):
+            tokens = jnp.asarray([sequence])
+            positions = jnp.arange(len(sequence))[None]
+            logits = teacher(tokens, positions, jnp.ones_like(tokens))[0, -1].at[1].set(-jnp.inf)
+            expected = int(jnp.argmax(logits))
+            assert sample.tokens[row, step] == expected
+            np.testing.assert_allclose(
+                sample.log_probs[row, step], jax.nn.log_softmax(logits)[expected], atol=1e-5
+            )
+            sequence.append(expected)
+
+
+def test_excluded_ids_are_never_sampled_and_completions_cut_at_stop(teacher):
+    sample = sample_causal(
+        teacher,
+        [[5, 6]] * 8,
+        max_new_tokens=12,
+        key=jax.random.key(1),
+        pad_id=0,
+        stop_ids=(3,),
+        excluded_ids=(1, 2),
+    )
+    assert not np.isin(sample.tokens, [1, 2]).any()
+    for row, ids in zip(sample.tokens.tolist(), sample.completions(), strict=True):
+        if 3 in row:
+            assert ids == row[: row.index(3) + 1]
+        else:
+            assert ids == row
+
+
+def test_sampling_refuses_a_block_diffusion_model_and_bad_arguments(teacher):
+    student = Transformer(
+        ModelConfig(vocab_size=23, d_model=32, n_heads=4, n_kv_heads=2), rngs=nnx.Rngs(0)
+    )
+    common = dict(key=jax.random.key(0), pad_id=0, stop_ids=(3,))
+    with pytest.raises(ValueError, match="`model.attention_type`"):
+        sample_causal(student, [[5]], max_new_tokens=2, **common)
+    with pytest.raises(ValueError, match="`max_new_tokens`"):
+        sample_causal(teacher, [[5]], max_new_tokens=0, **common)
+    with pytest.raises(ValueError, match="`prompts`"):
+        sample_causal(teacher, [[]], max_new_tokens=2, **common)
