@@ -410,11 +410,14 @@ def rollout(
     mode: Mode = "train",
     row_ids: Sequence[int] | None = None,
     prefix_cache: bool = True,
+    completion_lengths: Sequence[int] | None = None,
 ) -> Trace:
-    """Lay out ``prompts`` and denoise them (see :func:`denoise`)."""
+    """Lay out ``prompts`` and denoise them (see :func:`denoise`). ``completion_lengths``
+    optionally caps each row's completion below ``settings.completion_length``."""
     layout = build_rollout_layout(
         prompts,
         completion_length=settings.completion_length,
+        completion_lengths=completion_lengths,
         block_size=model.config.block_size,
         pad_id=settings.pad_id,
         mask_id=settings.mask_id,

@@ -57,11 +57,14 @@ def build_rollout_layout(
     pad_id: int,
     mask_id: int,
     vocab_size: int,
+    completion_lengths: Sequence[int] | None = None,
 ) -> RolloutLayout:
     """Lay out ``prompts`` (token id lists) for block-by-block denoising.
 
-    Fails closed on an empty batch, an empty prompt, ids outside ``[0, vocab_size)``, or a
-    prompt containing the mask id.
+    ``completion_length`` is the static horizon; ``completion_lengths`` optionally gives
+    each row a shorter completion (heterogeneous batches share one compiled shape).
+    Fails closed on an empty batch, an empty prompt, ids outside ``[0, vocab_size)``, a
+    prompt containing the mask id, or a per-row length outside ``[1, completion_length]``.
     """
     if not prompts:
         raise ValueError("`prompts` must hold at least one prompt; received an empty batch")
@@ -83,6 +86,19 @@ def build_rollout_layout(
                 f"`prompts[{row}]` must not contain the mask id {mask_id}; received it at "
                 f"index {int(np.argmax(ids == mask_id))}"
             )
+    if completion_lengths is None:
+        completion_lengths = [completion_length] * len(prompts)
+    if len(completion_lengths) != len(prompts):
+        raise ValueError(
+            f"`completion_lengths` must have one entry per prompt ({len(prompts)}); "
+            f"received {len(completion_lengths)}"
+        )
+    for row, wanted in enumerate(completion_lengths):
+        if not 1 <= wanted <= completion_length:
+            raise ValueError(
+                f"`completion_lengths[{row}]` must be in [1, {completion_length}]; "
+                f"received {wanted}"
+            )
     lengths = [len(prompt) for prompt in prompts]
     first_window = _bucket(max(length // block_size for length in lengths))
     num_windows = first_window + completion_windows(completion_length, block_size)
@@ -92,12 +108,12 @@ def build_rollout_layout(
     segments = np.zeros((batch, length), np.int32)
     prompt_mask = np.zeros((batch, length), bool)
     completion_mask = np.zeros((batch, length), bool)
-    for row, prompt in enumerate(prompts):
+    for row, (prompt, wanted) in enumerate(zip(prompts, completion_lengths, strict=True)):
         shift = (first_window - len(prompt) // block_size) * block_size
-        total = len(prompt) + completion_length
+        total = len(prompt) + wanted
         slots = np.arange(shift, shift + total)
         tokens[row, slots] = np.concatenate(
-            [np.asarray(prompt, np.int32), np.full(completion_length, mask_id, np.int32)]
+            [np.asarray(prompt, np.int32), np.full(wanted, mask_id, np.int32)]
         )
         positions[row, slots] = np.arange(total)
         segments[row, slots] = 1

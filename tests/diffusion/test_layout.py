@@ -55,3 +55,26 @@ def test_window_count_is_static_for_a_bucket_of_prompt_lengths():
 def test_bad_prompts_are_refused_by_name(prompts, field):
     with pytest.raises(ValueError, match=f"`{field.replace('[', '.').replace(']', '.')}"):
         layout_of(prompts)
+
+
+def test_rows_may_have_shorter_completions():
+    layout = build_rollout_layout(
+        [[5] * 3, [6] * 6],
+        completion_length=5,
+        completion_lengths=[2, 5],
+        block_size=4,
+        pad_id=0,
+        mask_id=1,
+        vocab_size=20,
+    )
+    assert np.asarray(layout.completion_mask).sum(axis=1).tolist() == [2, 5]
+    with pytest.raises(ValueError, match="`completion_lengths.1.`"):
+        build_rollout_layout(
+            [[5], [6]],
+            completion_length=5,
+            completion_lengths=[2, 6],
+            block_size=4,
+            pad_id=0,
+            mask_id=1,
+            vocab_size=20,
+        )

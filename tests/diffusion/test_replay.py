@@ -180,3 +180,14 @@ def test_nan_parameters_give_a_trace_that_is_refused(student, tokenizer, prompts
 def test_chunks_per_forward_must_divide_the_chunk_count(student, valid_trace):
     with pytest.raises(ValueError, match="`chunks_per_forward`"):
         replay.replay_packed(student, valid_trace, num_chunks=8, chunks_per_forward=3)
+
+
+def test_heterogeneous_completion_lengths_replay_exactly(student, tokenizer, prompts):
+    config = RolloutConfig(max_completion_length=COMPLETION, threshold=0.08, stop_when_done=False)
+    settings = SamplingSettings.from_config(config, tokenizer.special)
+    lengths = [3, COMPLETION, 7, 1]
+    trace = rollout(student, prompts, settings, seed=2, global_step=0, completion_lengths=lengths)
+    replay.validate_trace(trace)
+    assert np.asarray(trace.completion_mask).sum(axis=1).tolist() == lengths
+    n = replay.num_steps_bucket(trace)
+    np.testing.assert_allclose(packed(student, trace, n), trace.action_logps, atol=1e-5)
