@@ -1,6 +1,6 @@
 """Low-confidence block denoising with a clean-prefix KV cache, recording a replayable trace.
 
-The denoiser walks the physical windows of a :class:`~distill.diffusion.layout.RolloutLayout`
+The denoiser walks the physical windows of a :class:`~distill.diffusion.layout.BlockLayout`
 (each window is one logical block of every row). For each window it repeats *steps*: one
 forward of the window's canvas against the cache of the clean earlier blocks, a proposal for
 every pending (still masked) completion slot, a score, and a commit rule that picks which
@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 from distill.config import RolloutConfig, check_contract
-from distill.diffusion.layout import RolloutLayout, build_rollout_layout
+from distill.diffusion.layout import BlockLayout, build_rollout_layout
 from distill.models.kv_cache import KVCache
 from distill.models.transformer import Transformer
 from distill.tokenizer import SpecialIds
@@ -231,7 +231,7 @@ def _put_window(array: jax.Array, value: jax.Array, window: jax.Array, size: int
 def _denoise(
     graphdef,
     state,
-    layout: RolloutLayout,
+    layout: BlockLayout,
     keys: jax.Array,
     settings: SamplingSettings,
     prefix_cache: bool = True,
@@ -361,7 +361,7 @@ def _denoise(
 
 def denoise(
     model: Transformer,
-    layout: RolloutLayout,
+    layout: BlockLayout,
     keys: jax.Array,
     settings: SamplingSettings,
     *,
