@@ -311,26 +311,6 @@ class Objective:
         )
         return _f32_sum(-logp, order >= 0)
 
-    # -- the whole thing -------------------------------------------------------------------
-
-    def loss(
-        self,
-        model: Transformer,
-        layout: BlockLayout,
-        keys: jax.Array,
-        step: jax.Array | int = 0,
-        denominators: Mapping[str, jax.Array] | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Scalar loss and metrics; ``denominators`` default to this batch's own."""
-        plan = self.plan(layout, keys, step)
-        own = self.denominators(layout, plan)
-        sums = self.sums(model, layout, plan, keys)
-        used = own if denominators is None else denominators
-        loss = combine(sums, used, self.coefficients(plan))
-        metrics = {f"{name}/sum": value for name, value in sums.items()}
-        metrics |= {f"{name}/denominator": value for name, value in own.items()}
-        return loss, metrics
-
 
 def coordination_targets(
     model: Transformer, layout: BlockLayout, plan: Plan, keys: jax.Array, *, objective: Objective
@@ -363,24 +343,41 @@ def coordination_targets(
 # ---- causal teacher ---------------------------------------------------------------------
 
 
-def causal_ce(
-    model: Transformer, layout: BlockLayout, *, vocab_chunk: int | None = 4096
-) -> tuple[jax.Array, jax.Array]:
-    """Next-token cross-entropy on the completion (weighted by ``loss_weights``):
-    ``(weighted_sum, denominator)``. The logits at p-1 predict token p."""
-    hidden = model.hidden_states(layout.tokens, layout.positions, layout.segment_ids)
-    sources = align.source_slots(layout.positions, layout.segment_ids, "shifted")
-    logp = gathered_log_probs(
-        align.gather_sources(hidden, sources),
-        model.output_embedding(),
-        layout.tokens,
-        vocab_chunk=vocab_chunk,
-    )
-    scored = layout.completion_mask & (sources >= 0)
-    return (
-        _f32_sum(-logp * layout.loss_weights, scored),
-        _f32_sum(layout.loss_weights, scored),
-    )
+@dataclasses.dataclass(frozen=True)
+class CausalLM:
+    """Next-token cross-entropy on the completion for a causal model (the teacher): the
+    logits at logical position p-1 predict token p; weighted by ``loss_weights``. Same
+    plan / denominators / sums interface as :class:`Objective` (its plan is empty)."""
+
+    vocab_chunk: int | None = 4096
+
+    def plan(self, layout: BlockLayout, keys: jax.Array, step: jax.Array | int = 0) -> None:
+        return None
+
+    def term_names(self) -> tuple[str, ...]:
+        return ("causal_ce",)
+
+    def _scored(self, layout: BlockLayout) -> jax.Array:
+        sources = align.source_slots(layout.positions, layout.segment_ids, "shifted")
+        return layout.completion_mask & (sources >= 0), sources
+
+    def denominators(self, layout: BlockLayout, plan: None) -> dict[str, jax.Array]:
+        scored, _ = self._scored(layout)
+        return {"causal_ce": _f32_sum(layout.loss_weights, scored)}
+
+    def coefficients(self, plan: None) -> dict[str, float]:
+        return {"causal_ce": 1.0}
+
+    def sums(self, model: Transformer, layout: BlockLayout, plan: None, keys: jax.Array):
+        scored, sources = self._scored(layout)
+        hidden = model.hidden_states(layout.tokens, layout.positions, layout.segment_ids)
+        logp = gathered_log_probs(
+            align.gather_sources(hidden, sources),
+            model.output_embedding(),
+            layout.tokens,
+            vocab_chunk=self.vocab_chunk,
+        )
+        return {"causal_ce": _f32_sum(-logp * layout.loss_weights, scored)}
 
 
 # ---- evaluation -------------------------------------------------------------------------
@@ -421,7 +418,7 @@ __all__ = [
     "Objective",
     "Plan",
     "bits",
-    "causal_ce",
+    "CausalLM",
     "combine",
     "coordination_targets",
     "nll_bound",
