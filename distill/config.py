@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 AttentionType = Literal["causal", "block_diffusion"]
 DType = Literal["float32", "bfloat16"]
+RopeScaling = Literal["none", "linear", "llama3"]
 Alignment = Literal["same_position", "shifted"]
 Canvas = Literal["all_masked", "seed_and_mask"]
 Context = Literal["clean", "corrupted"]
@@ -134,6 +135,17 @@ class ModelConfig(_Config):
     block_size: int = Field(default=4, gt=0)
     max_length: int = Field(default=256, gt=0)
     init_std: float = Field(default=0.02, gt=0)
+    # Biases on the q/k/v projections (Qwen2); the output projection never has one.
+    attention_bias: bool = False
+    # RoPE frequency scaling, as in Hugging Face configs: "linear" divides every inverse
+    # frequency by rope_scaling_factor; "llama3" (Llama 3.1) divides low frequencies by it and
+    # interpolates between rope_high_freq_factor and rope_low_freq_factor wavelength bands of
+    # rope_original_max_position.
+    rope_scaling: RopeScaling = "none"
+    rope_scaling_factor: float = Field(default=1.0, gt=0)
+    rope_low_freq_factor: float = Field(default=1.0, gt=0)
+    rope_high_freq_factor: float = Field(default=4.0, gt=0)
+    rope_original_max_position: int = Field(default=8192, gt=0)
 
     @model_validator(mode="after")
     def _check_heads(self) -> Self:
@@ -147,6 +159,15 @@ class ModelConfig(_Config):
             )
         if self.resolved_head_dim % 2:
             raise _field_error("head_dim", "be even (RoPE rotates pairs)", self.resolved_head_dim)
+        if (
+            self.rope_scaling == "llama3"
+            and self.rope_high_freq_factor <= self.rope_low_freq_factor
+        ):
+            raise _field_error(
+                "rope_high_freq_factor",
+                f"be > rope_low_freq_factor={self.rope_low_freq_factor} for llama3 scaling",
+                self.rope_high_freq_factor,
+            )
         return self
 
     @property
@@ -255,6 +276,7 @@ class OptimizerConfig(_Config):
     section: ClassVar[str] = "optimizer"
 
     learning_rate: float = Field(default=1e-3, gt=0.0)
+    schedule: Literal["constant", "cosine"] = "constant"
     weight_decay: float = Field(default=0.0, ge=0.0)
     warmup_steps: int = Field(default=0, ge=0)
     grad_clip: float | None = Field(default=1.0, gt=0.0)

@@ -1,7 +1,8 @@
 """One Llama-style decoder for the causal teacher and the block-diffusion student.
 
-RMSNorm, RoPE on logical positions (Hugging Face "rotate half" convention), SwiGLU MLP,
-grouped-query attention, tied or untied embeddings, float32 or bfloat16 parameters. The
+RMSNorm, RoPE on logical positions (Hugging Face "rotate half" convention, optionally with
+``linear`` or ``llama3`` frequency scaling), SwiGLU MLP, grouped-query attention with
+optional q/k/v biases (Qwen2), tied or untied embeddings, float32 or bfloat16 parameters. The
 attention pattern comes from :mod:`distill.models.masks`: ``causal`` or ``block_diffusion``
 over logical positions and segments, optionally with packed canvas chunks, optionally
 against a :class:`~distill.models.kv_cache.KVCache` of clean tokens.
@@ -12,10 +13,13 @@ logits are ``[B, L, vocab_size]`` float32. Segment 0 marks padding.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from distill.config import ModelConfig
@@ -42,10 +46,58 @@ def _init(names: tuple[str, ...], std: float) -> nnx.Initializer:
     return nnx.with_partitioning(nnx.initializers.normal(stddev=std), names, eager_sharding=False)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate ``x`` ``[B, T, H, D]`` by its logical ``positions`` ``[B, T]``."""
+def _zeros(names: tuple[str, ...]) -> nnx.Initializer:
+    return nnx.with_partitioning(nnx.initializers.zeros_init(), names, eager_sharding=False)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies ``[head_dim / 2]`` float32 of ``config``, with its scaling.
+
+    Computed once on the host in float32, in the order of operations of Hugging Face's
+    ``modeling_rope_utils`` (default, ``linear`` and ``llama3`` variants), so a converted
+    checkpoint rotates exactly as its reference implementation does.
+    """
+    dim = config.resolved_head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(
+        np.float32
+    )
+    factor = np.float32(config.rope_scaling_factor)
+    if config.rope_scaling == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    if config.rope_scaling == "llama3":
+        low, high = (
+            np.float32(config.rope_low_freq_factor),
+            np.float32(config.rope_high_freq_factor),
+        )
+        old_context = np.float32(config.rope_original_max_position)
+        low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rotary_embedding(
+    x: jax.Array,
+    positions: jax.Array,
+    theta: float,
+    *,
+    inv_freq: Sequence[float] | np.ndarray | None = None,
+) -> jax.Array:
+    """Rotate ``x`` ``[B, T, H, D]`` by its logical ``positions`` ``[B, T]``.
+
+    ``inv_freq`` (``[D / 2]``, e.g. from :func:`rope_inverse_frequencies`) overrides the
+    unscaled frequencies ``theta ** (-2i / D)``.
+    """
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
+    else:
+        inv_freq = jnp.asarray(inv_freq, dtype=jnp.float32)
     angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
@@ -60,22 +112,31 @@ class Attention(nnx.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.resolved_head_dim
         self.rope_theta = config.rope_theta
+        # Static (hashable) host constants: the same frequencies on every device.
+        self.inv_freq = tuple(float(f) for f in rope_inverse_frequencies(config))
         std, d = config.init_std, config.d_model
         common = dict(use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+        qkv = dict(common, use_bias=config.attention_bias)
         self.q_proj = nnx.Linear(
-            d, self.n_heads * self.head_dim, kernel_init=_init(("embed", "heads"), std), **common
+            d,
+            self.n_heads * self.head_dim,
+            kernel_init=_init(("embed", "heads"), std),
+            bias_init=_zeros(("heads",)),
+            **qkv,
         )
         self.k_proj = nnx.Linear(
             d,
             self.n_kv_heads * self.head_dim,
             kernel_init=_init(("embed", "kv_heads"), std),
-            **common,
+            bias_init=_zeros(("kv_heads",)),
+            **qkv,
         )
         self.v_proj = nnx.Linear(
             d,
             self.n_kv_heads * self.head_dim,
             kernel_init=_init(("embed", "kv_heads"), std),
-            **common,
+            bias_init=_zeros(("kv_heads",)),
+            **qkv,
         )
         self.o_proj = nnx.Linear(
             self.n_heads * self.head_dim, d, kernel_init=_init(("heads", "embed"), std), **common
@@ -148,8 +209,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
-        q = rotary_embedding(q, positions, self.rope_theta)
-        k = rotary_embedding(k, positions, self.rope_theta)
+        q = rotary_embedding(q, positions, self.rope_theta, inv_freq=self.inv_freq)
+        k = rotary_embedding(k, positions, self.rope_theta, inv_freq=self.inv_freq)
         return q, k, v
 
 
