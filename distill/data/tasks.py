@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -100,6 +100,10 @@ class Task(Protocol):
         """Return ``(prompt, reference_answer)`` drawn with ``rng`` only."""
         ...
 
+    def max_answer_length(self, length: int) -> int:
+        """The longest reference answer at ``length`` (sizes the static completion horizon)."""
+        ...
+
     def verify(self, prompt: str, completion: str) -> bool:
         """Exactly judge ``completion`` (cut before the stop token) for ``prompt``."""
         ...
@@ -144,6 +148,9 @@ class _LetterTask:
     def sample(self, rng: np.random.Generator, length: int) -> tuple[str, str]:
         text = _letters(rng, _check_length(self, length))
         return f"{self.prefix}:{text}{SEPARATOR}", self._transform(text)
+
+    def max_answer_length(self, length: int) -> int:
+        return length
 
     def verify(self, prompt: str, completion: str) -> bool:
         body = _body(self, prompt)
@@ -209,6 +216,9 @@ class AdditionTask:
         left, right = (long, short) if rng.integers(0, 2) == 0 else (short, long)
         return f"{self.prefix}:{left}+{right}{SEPARATOR}", str(int(left) + int(right))
 
+    def max_answer_length(self, length: int) -> int:
+        return length + 1
+
     def verify(self, prompt: str, completion: str) -> bool:
         match = self._body_re.fullmatch(_body(self, prompt))
         if match is None:
@@ -234,6 +244,9 @@ class AgreeTask:
         length = _check_length(self, length)
         symbol = self.symbols[int(rng.integers(0, len(self.symbols)))]
         return f"{self.prefix}:{length}{SEPARATOR}", symbol * length
+
+    def max_answer_length(self, length: int) -> int:
+        return length
 
     def verify(self, prompt: str, completion: str) -> bool:
         body = _body(self, prompt)
@@ -337,6 +350,9 @@ class SudokuTask:
             if all(g in (_SUDOKU_BLANK, c) for g, c in zip(givens, grid, strict=True))
         ]
 
+    def max_answer_length(self, length: int) -> int:
+        return 19  # four rows of four digits and three commas
+
     def verify(self, prompt: str, completion: str) -> bool:
         givens = self.givens(prompt)
         if not (isinstance(completion, str) and self._answer_re.fullmatch(completion)):
@@ -392,3 +408,8 @@ def verify(item: Example | tuple[str | Task, str] | str, completion: str) -> boo
     if not isinstance(completion, str):
         raise _error("completion", "be a str", completion)
     return task.verify(prompt, completion)
+
+
+def answer_horizon(tasks: Sequence[str], max_length: int) -> int:
+    """Completion slots needed for any answer of ``tasks`` up to ``max_length`` plus a stop."""
+    return 1 + max(get_task(name).max_answer_length(max_length) for name in tasks)

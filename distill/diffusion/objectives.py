@@ -45,7 +45,6 @@ from distill.config import ObjectiveConfig
 from distill.diffusion import alignment as align
 from distill.diffusion.corruption import Corruption, corrupt
 from distill.diffusion.layout import BlockLayout
-from distill.models.kv_cache import KVCache
 from distill.models.logprobs import gathered_log_probs
 from distill.models.transformer import Transformer
 
@@ -114,10 +113,7 @@ def target_hidden(
     batch, length = layout.tokens.shape
     size, first = layout.block_size, layout.first_window
     n_chunks = length // size - first
-    cache = KVCache.init(model.config, batch, length)
-    clean, cache = model.decode_hidden(
-        layout.tokens, layout.positions, layout.segment_ids, cache, write_index=0
-    )
+    clean, cache = model.prefill(layout.tokens, layout.positions, layout.segment_ids)
 
     def chunked(array):
         return array[:, first * size :].reshape(batch, n_chunks, size)

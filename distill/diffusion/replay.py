@@ -28,7 +28,6 @@ import numpy as np
 from flax import nnx
 
 from distill.diffusion.denoise import Trace
-from distill.models.kv_cache import KVCache
 from distill.models.logprobs import gathered_log_probs
 from distill.models.masks import pack_canvas_chunks
 from distill.models.transformer import Transformer
@@ -229,20 +228,21 @@ def replay_packed(
             packed.tokens, packed.positions, packed.segment_ids, chunk_ids=packed.chunk_ids
         )
     else:
-        cache = KVCache.init(model.config, batch, length)
-        clean, cache = model.decode_hidden(
-            trace.tokens, trace.positions, trace.segment_ids, cache, write_index=0
-        )
+        clean, cache = model.prefill(trace.tokens, trace.positions, trace.segment_ids)
         shape = (batch, num_chunks, size)
         chunk_pos = packed.positions[:, length:].reshape(shape)
         chunk_seg = packed.segment_ids[:, length:].reshape(shape)
         group = chunks_per_forward or num_chunks
         graphdef, state = nnx.split(model)
 
-        @jax.checkpoint
         def run_group(args):
             tokens, pos, seg = args
             return nnx.merge(graphdef, state).chunk_hidden_states(cache, tokens, pos, seg)
+
+        if group < num_chunks:
+            # Bounding memory is the point of groups: recompute each group in the backward
+            # pass instead of keeping its activations. One group needs no rematerialization.
+            run_group = jax.checkpoint(run_group)
 
         def grouped(array):  # [B, C, K] -> [C / G, B, G, K]
             return array.reshape(batch, num_chunks // group, group, size).swapaxes(0, 1)

@@ -43,21 +43,25 @@ def gathered_log_probs(
 
     def chunk_lse(columns: jax.Array, ids: jax.Array) -> jax.Array:
         logits = jnp.einsum("bnd,dv->bnv", h, columns) / temperature
-        drop = ids >= vocab if excluded_id is None else (ids >= vocab) | (ids == excluded_id)
-        return jax.nn.logsumexp(jnp.where(drop, -jnp.inf, logits), axis=-1)
+        if excluded_id is not None:
+            logits = jnp.where(ids == excluded_id, -jnp.inf, logits)
+        return jax.nn.logsumexp(logits, axis=-1)
 
     if vocab_chunk is None or vocab_chunk >= vocab:
-        lse = chunk_lse(weights, jnp.arange(vocab))
-    else:
-        n_chunks = -(-vocab // vocab_chunk)
-        padded = jnp.pad(weights, ((0, 0), (0, n_chunks * vocab_chunk - vocab)))
-        columns = padded.reshape(d_model, n_chunks, vocab_chunk).transpose(1, 0, 2)
-        ids = jnp.arange(n_chunks * vocab_chunk).reshape(n_chunks, vocab_chunk)
+        return chosen - chunk_lse(weights, jnp.arange(vocab))
+    # Walk the vocabulary in place (dynamic slices of W, no padded or transposed copy); a
+    # remainder shorter than a chunk is one more static slice.
+    n_full = vocab // vocab_chunk
 
-        @jax.checkpoint
-        def body(running, chunk):
-            return jnp.logaddexp(running, chunk_lse(*chunk)), None
+    @jax.checkpoint
+    def body(running, index):
+        start = index * vocab_chunk
+        columns = jax.lax.dynamic_slice_in_dim(weights, start, vocab_chunk, axis=1)
+        ids = start + jnp.arange(vocab_chunk)
+        return jnp.logaddexp(running, chunk_lse(columns, ids)), None
 
-        start = jnp.full(h.shape[:2], -jnp.inf, jnp.float32)
-        lse, _ = jax.lax.scan(body, start, (columns, ids))
+    lse, _ = jax.lax.scan(body, jnp.full(h.shape[:2], -jnp.inf, jnp.float32), jnp.arange(n_full))
+    if vocab % vocab_chunk:
+        tail = n_full * vocab_chunk
+        lse = jnp.logaddexp(lse, chunk_lse(weights[:, tail:], jnp.arange(tail, vocab)))
     return chosen - lse

@@ -310,6 +310,9 @@ class Transformer(nnx.Module):
         chunk_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Final normalized hidden states ``[B, L, d_model]`` (logits = ``logits(hidden)``)."""
+        return self._self_attend(tokens, positions, segment_ids, chunk_ids)[0]
+
+    def _self_attend(self, tokens, positions, segment_ids, chunk_ids):
         self._check_layout(tokens, positions, segment_ids, chunk_ids)
         mask = masks.self_attention_mask(
             positions,
@@ -318,8 +321,21 @@ class Transformer(nnx.Module):
             block_size=self.config.block_size,
             chunk_ids=chunk_ids,
         )
-        hidden, _ = self._run(tokens, positions, mask, cache=None)
-        return hidden
+        return self._run(tokens, positions, mask, cache=None)
+
+    def prefill(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Hidden states ``[B, L, d]`` of a full forward and a cache of exactly its ``L``
+        slots (for canvas chunks or decoding after it). Cheaper than :meth:`decode_hidden`
+        against an empty cache, which would also attend over the empty slots."""
+        hidden, new_kv = self._self_attend(tokens, positions, segment_ids, None)
+        return hidden, KVCache(
+            keys=tuple(k for k, _ in new_kv),
+            values=tuple(v for _, v in new_kv),
+            positions=positions.astype(jnp.int32),
+            segment_ids=segment_ids.astype(jnp.int32),
+        )
 
     def decode(
         self,
