@@ -283,8 +283,32 @@ class OptimizerConfig(_Config):
     microbatches: int = Field(default=1, gt=0)
 
 
+class PhaseConfig(_Config):
+    """One training phase (teacher training, student warm-up, OPD): length, optimizer,
+    checkpoint cadence and evaluation size."""
+
+    section: ClassVar[str] = "phase"
+
+    steps: int = Field(default=200, ge=0)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    checkpoint_every: int = Field(default=100, gt=0)
+    eval_examples: int = Field(default=64, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        warmup = self.optimizer.warmup_steps
+        if self.optimizer.schedule == "cosine" and self.steps and self.steps <= warmup:
+            raise _field_error(
+                "steps", f"exceed optimizer.warmup_steps={warmup} for a cosine schedule", self.steps
+            )
+        return self
+
+
+StudentInit = Literal["scratch", "teacher"]
+
+
 class JobConfig(_Config):
-    """One distillation job: student, teacher, rollout, objective, loss, data, optimizer."""
+    """One distillation job: models, rollout, objective, loss, data and the three phases."""
 
     student: ModelConfig
     teacher: ModelConfig
@@ -292,10 +316,14 @@ class JobConfig(_Config):
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     data: DataConfig = Field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    teacher_training: PhaseConfig = Field(default_factory=PhaseConfig)
+    student_warmup: PhaseConfig = Field(default_factory=PhaseConfig)
+    opd: PhaseConfig = Field(default_factory=PhaseConfig)
+    # "teacher": copy the trained teacher's weights into the student (AR initialization;
+    # pairs with the shifted + seed_and_mask contract, whose causal head it keeps).
+    student_init: StudentInit = "scratch"
     tokenizer: dict[str, Any] = Field(default_factory=lambda: {"kind": "char"})
     seed: int = Field(default=0, ge=0)
-    steps: int = Field(default=100, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -305,6 +333,24 @@ class JobConfig(_Config):
             raise _field_error(
                 "student.attention_type", "be 'block_diffusion'", self.student.attention_type
             )
+        for field in ("alignment", "canvas"):
+            if getattr(self.rollout, field) != getattr(self.objective, field):
+                raise _field_error(
+                    f"rollout.{field}",
+                    f"equal objective.{field}={getattr(self.objective, field)!r} (the student "
+                    "is rolled out under the contract it was trained with)",
+                    getattr(self.rollout, field),
+                )
+        if self.student_init == "teacher":
+            same = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim")
+            for field in same:
+                if getattr(self.student, field) != getattr(self.teacher, field):
+                    raise _field_error(
+                        f"student.{field}",
+                        f"equal teacher.{field}={getattr(self.teacher, field)} when "
+                        "student_init is 'teacher'",
+                        getattr(self.student, field),
+                    )
         if self.student.vocab_size != self.teacher.vocab_size:
             raise _field_error(
                 "student.vocab_size",

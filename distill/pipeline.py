@@ -1,0 +1,258 @@
+"""Training phases of a job, resumable: teacher training and student warm-up.
+
+Each phase owns a run directory (:mod:`distill.checkpoint`): it opens it with its run
+contract (refusing a changed setup), resumes from the newest good checkpoint, trains in
+segments of ``checkpoint_every`` steps reading the data stream at positions
+``[step * batch, (step + 1) * batch)`` (so the saved step is the trained data position and
+nothing is skipped or repeated), checkpoints after each segment, and writes an evaluation
+report (``eval.json``) at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from distill.checkpoint import RunCheckpointer, topology
+from distill.config import JobConfig, ModelConfig, PhaseConfig
+from distill.data.stream import TaskStream
+from distill.data.tasks import answer_horizon
+from distill.diffusion.denoise import SamplingSettings
+from distill.diffusion.objectives import CausalLM, Objective
+from distill.evaluate import EvalReport, evaluate_student, evaluate_teacher
+from distill.models.transformer import Transformer
+from distill.tokenizer import Tokenizer, tokenizer_from_spec
+from distill.train import Trainer, TrainingObjective, fit, make_train_state
+
+Log = Callable[[str], None]
+
+
+def job_tokenizer(job: JobConfig) -> Tokenizer:
+    """The job's tokenizer; its vocabulary must match both models'."""
+    tokenizer = tokenizer_from_spec(job.tokenizer)
+    for role in ("teacher", "student"):
+        size = getattr(job, role).vocab_size
+        if size != tokenizer.vocab_size:
+            raise ValueError(
+                f"`{role}.vocab_size` must equal the tokenizer's {tokenizer.vocab_size}; "
+                f"received {size}"
+            )
+    return tokenizer
+
+
+def phase_contract(job: JobConfig, tokenizer: Tokenizer, phase: str) -> dict[str, Any]:
+    """Everything a resumed phase must share with the run it resumes."""
+    stream = TaskStream(job.data)
+    contract: dict[str, Any] = {
+        "phase": phase,
+        "tokenizer_hash": tokenizer.content_hash(),
+        "special_ids": {
+            "pad": tokenizer.special.pad_id,
+            "mask": tokenizer.special.mask_id,
+            "bos": tokenizer.special.bos_id,
+            "stop": list(tokenizer.special.stop_ids),
+        },
+        "data": stream.stream_spec(),
+        "seed": job.seed,
+        "topology": topology(),
+    }
+    if phase == "teacher_training":
+        contract |= {"teacher": job.teacher.model_dump(), "training": _phase(job.teacher_training)}
+    elif phase == "student_warmup":
+        contract |= {
+            "student": job.student.model_dump(),
+            "student_init": job.student_init,
+            "objective": job.objective.model_dump(),
+            "training": _phase(job.student_warmup),
+        }
+    else:
+        raise ValueError(f"`phase` must be 'teacher_training' or 'student_warmup'; got {phase!r}")
+    return contract
+
+
+def _phase(config: PhaseConfig) -> dict[str, Any]:
+    # eval size and checkpoint cadence do not change what is trained
+    return {"steps": config.steps, "optimizer": config.optimizer.model_dump()}
+
+
+def _horizon(job: JobConfig) -> int:
+    return answer_horizon(job.data.tasks, job.data.max_length)
+
+
+def _train_phase(
+    run_dir: Path,
+    contract: dict[str, Any],
+    model: Transformer,
+    phase: PhaseConfig,
+    objective: TrainingObjective,
+    job: JobConfig,
+    tokenizer: Tokenizer,
+    *,
+    progress: bool,
+    log: Log,
+    stop_after: int | None = None,
+) -> list[dict[str, float]]:
+    optimizer = make_train_state(
+        model,
+        phase.optimizer,
+        phase.steps if phase.optimizer.schedule == "cosine" else None,
+    )
+    checkpointer = RunCheckpointer.open(run_dir, contract)
+    restored = checkpointer.restore_latest((optimizer, model))
+    step = 0 if restored is None else restored.step
+    if restored is not None:
+        log(
+            f"resumed {run_dir} at step {step}"
+            + (f" (skipped {restored.skipped})" * bool(restored.skipped))
+        )
+    stream = TaskStream(job.data)
+    trainer = Trainer(model, optimizer)
+    history: list[dict[str, float]] = []
+    end = phase.steps if stop_after is None else min(phase.steps, stop_after)
+    while step < end:
+        segment = min(phase.checkpoint_every - step % phase.checkpoint_every, end - step)
+        history += fit(
+            trainer,
+            objective,
+            stream,
+            tokenizer,
+            steps=segment,
+            horizon=_horizon(job),
+            seed=job.seed,
+            start_step=step,
+            microbatches=phase.optimizer.microbatches,
+            progress=progress,
+        )
+        step += segment
+        checkpointer.save(
+            step,
+            (optimizer, model),
+            {"data_position": step * stream.batch_size, "last": history[-1] if history else {}},
+        )
+    checkpointer.close()
+    return history
+
+
+def _write_report(run_dir: Path, report: EvalReport) -> None:
+    (run_dir / "eval.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+
+
+def train_teacher(
+    job: JobConfig,
+    run_dir: str | Path,
+    *,
+    progress: bool = True,
+    log: Log = print,
+    stop_after: int | None = None,
+) -> tuple[Transformer, EvalReport | None]:
+    """Train (or resume) the causal teacher with next-token CE; evaluate when complete.
+    ``stop_after`` ends early at that step (a checkpoint is still written), for tests."""
+    run_dir = Path(run_dir)
+    tokenizer = job_tokenizer(job)
+    model = Transformer(job.teacher, rngs=nnx.Rngs(job.seed))
+    _train_phase(
+        run_dir,
+        phase_contract(job, tokenizer, "teacher_training"),
+        model,
+        job.teacher_training,
+        CausalLM(),
+        job,
+        tokenizer,
+        progress=progress,
+        log=log,
+        stop_after=stop_after,
+    )
+    if stop_after is not None and stop_after < job.teacher_training.steps:
+        return model, None
+    examples = TaskStream(job.data, split="eval").batch(0, job.teacher_training.eval_examples)
+    report = evaluate_teacher(model, tokenizer, examples, horizon=_horizon(job), seed=job.seed)
+    _write_report(run_dir, report)
+    log(f"teacher exact match {report.overall:.3f} {report.accuracy}")
+    return model, report
+
+
+def load_teacher_run(job: JobConfig, run_dir: str | Path) -> Transformer:
+    """The trained teacher of a finished teacher-training run of this job."""
+    tokenizer = job_tokenizer(job)
+    model = Transformer(job.teacher, rngs=nnx.Rngs(job.seed))
+    optimizer = make_train_state(
+        model,
+        job.teacher_training.optimizer,
+        job.teacher_training.steps if job.teacher_training.optimizer.schedule == "cosine" else None,
+    )
+    checkpointer = RunCheckpointer.open(run_dir, phase_contract(job, tokenizer, "teacher_training"))
+    restored = checkpointer.restore_latest((optimizer, model))
+    checkpointer.close()
+    if restored is None or restored.step < job.teacher_training.steps:
+        raise ValueError(
+            f"`teacher_run` must hold a finished teacher ({job.teacher_training.steps} steps); "
+            f"{run_dir} has {None if restored is None else restored.step}"
+        )
+    return model
+
+
+def init_student(job: JobConfig, teacher: Transformer | None) -> Transformer:
+    """A fresh student, or (``student_init: teacher``) one holding the teacher's weights."""
+    student = Transformer(job.student, rngs=nnx.Rngs(job.seed + 1))
+    if job.student_init == "teacher":
+        if teacher is None:
+            raise ValueError("`teacher` must be given when student_init is 'teacher'")
+        nnx.update(student, nnx.state(teacher, nnx.Param))
+    return student
+
+
+def warmup_student(
+    job: JobConfig,
+    run_dir: str | Path,
+    *,
+    teacher: Transformer | None = None,
+    progress: bool = True,
+    log: Log = print,
+    stop_after: int | None = None,
+) -> tuple[Transformer, EvalReport | None]:
+    """Warm up (or resume) the block-diffusion student with ``job.objective``."""
+    run_dir = Path(run_dir)
+    tokenizer = job_tokenizer(job)
+    model = init_student(job, teacher)
+    objective = Objective(job.objective, tokenizer.special.mask_id)
+    _train_phase(
+        run_dir,
+        phase_contract(job, tokenizer, "student_warmup"),
+        model,
+        job.student_warmup,
+        objective,
+        job,
+        tokenizer,
+        progress=progress,
+        log=log,
+        stop_after=stop_after,
+    )
+    if stop_after is not None and stop_after < job.student_warmup.steps:
+        return model, None
+    report = evaluate_student_job(job, model, tokenizer, job.student_warmup.eval_examples)
+    _write_report(run_dir, report)
+    log(
+        f"student exact match {report.overall:.3f} at {report.tokens_per_forward:.2f} "
+        f"tokens/forward {report.accuracy}"
+    )
+    return model, report
+
+
+def evaluate_student_job(
+    job: JobConfig, model: Transformer, tokenizer: Tokenizer, count: int
+) -> EvalReport:
+    rollout = job.rollout.model_copy(update={"max_completion_length": _horizon(job)})
+    settings = SamplingSettings.from_config(rollout, tokenizer.special)
+    examples = TaskStream(job.data, split="eval").batch(0, count)
+    return evaluate_student(model, tokenizer, examples, settings, seed=job.seed)
+
+
+def model_config_summary(config: ModelConfig) -> str:
+    return (
+        f"{config.attention_type} d{config.d_model} L{config.n_layers} "
+        f"h{config.n_heads}/{config.n_kv_heads} block {config.block_size}"
+    )

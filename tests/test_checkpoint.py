@@ -1,0 +1,103 @@
+"""Run contract and resume: refused changes, corrupt checkpoints, bitwise-identical resume."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from distill import pipeline
+from distill.checkpoint import ContractMismatch, RunCheckpointer, contract_differences
+from distill.config import JobConfig, load_config
+
+SHORT = [
+    "teacher.d_model=32",
+    "teacher.d_ff=64",
+    "student.d_model=32",
+    "student.d_ff=64",
+    "teacher_training.steps=6",
+    "teacher_training.checkpoint_every=2",
+    "teacher_training.eval_examples=8",
+    "teacher_training.optimizer.warmup_steps=2",
+    "data.batch_size=8",
+]
+
+
+def tiny_job(*extra):
+    return load_config("deploy/configs/tiny.yaml", JobConfig, [*SHORT, *extra])
+
+
+def params(model):
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("whole")
+    model, report = pipeline.train_teacher(tiny_job(), run, progress=False, log=lambda _: None)
+    return run, params(model), report
+
+
+def test_interrupted_then_resumed_run_is_bitwise_identical(tmp_path, uninterrupted):
+    _, expected, _ = uninterrupted
+    job = tiny_job()
+    pipeline.train_teacher(job, tmp_path, progress=False, stop_after=2, log=lambda _: None)
+    pipeline.train_teacher(job, tmp_path, progress=False, stop_after=4, log=lambda _: None)
+    model, _ = pipeline.train_teacher(job, tmp_path, progress=False, log=lambda _: None)
+    for got, want in zip(params(model), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_progress_records_the_trained_data_position(uninterrupted):
+    run, _, _ = uninterrupted
+    progress = json.loads((run / "checkpoints" / "6" / "progress" / "metadata").read_text())
+    assert progress["step"] == 6 and progress["data_position"] == 6 * 8
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("teacher.rope_theta=500.0", "teacher.rope_theta"),
+        ("teacher_training.optimizer.learning_rate=0.01", "training.optimizer.learning_rate"),
+        ("teacher_training.steps=8", "training.steps"),
+        ("data.seed=5", "data.seed"),
+        ("data.tasks=[copy]", "data.tasks"),
+        ("seed=3", "seed"),
+        ("tokenizer.stop_tokens=['|']", "tokenizer_hash"),
+    ],
+)
+def test_each_changed_contract_field_is_refused_by_name(uninterrupted, tmp_path, override, field):
+    run, _, _ = uninterrupted
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    with pytest.raises(ContractMismatch, match=f"`{field}`"):
+        pipeline.train_teacher(tiny_job(override), copy, progress=False, log=lambda _: None)
+
+
+def test_contract_differences_list_old_and_new_values():
+    differences = contract_differences({"a": {"b": 1}, "c": [1, 2]}, {"a": {"b": 2}, "c": (1, 2)})
+    assert differences == {"a.b": (1, 2)}
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_step(uninterrupted, tmp_path):
+    run, _, _ = uninterrupted
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    # Truncate every file of the newest step's state.
+    for path in (copy / "checkpoints" / "6" / "state").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"")
+    job = tiny_job()
+    messages = []
+    model = pipeline.Transformer(job.teacher, rngs=nnx.Rngs(0))
+    optimizer = pipeline.make_train_state(model, job.teacher_training.optimizer, 6)
+    checkpointer = RunCheckpointer.open(
+        copy, pipeline.phase_contract(job, pipeline.job_tokenizer(job), "teacher_training")
+    )
+    before = params(model)
+    restored = checkpointer.restore_latest((optimizer, model))
+    messages.append(restored)
+    assert restored.step == 4 and restored.skipped == (6,)
+    assert any(not np.array_equal(a, b) for a, b in zip(params(model), before, strict=True))
