@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from distill.checkpoint import RunCheckpointer, topology
@@ -201,7 +203,8 @@ def init_student(job: JobConfig, teacher: Transformer | None) -> Transformer:
     if job.student_init == "teacher":
         if teacher is None:
             raise ValueError("`teacher` must be given when student_init is 'teacher'")
-        nnx.update(student, nnx.state(teacher, nnx.Param))
+        # Copies, not shared buffers: training donates the student's buffers.
+        nnx.update(student, jax.tree.map(jnp.copy, nnx.state(teacher, nnx.Param)))
     return student
 
 
