@@ -25,13 +25,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from timing import time_calls  # noqa: E402
 
 from distill.config import ModelConfig  # noqa: E402
 from distill.models.kv_cache import KVCache  # noqa: E402
@@ -51,15 +50,6 @@ def parse_args() -> argparse.Namespace:
     if min(args.batch, args.rounds, args.calls) < 1:
         parser.error("--batch, --rounds and --calls must be >= 1")
     return args
-
-
-def time_calls(fn: Callable[[], jax.Array], calls: int) -> float:
-    """Seconds per call, averaged over ``calls`` back-to-back calls."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn()
-    out.block_until_ready()
-    return (time.perf_counter() - start) / calls
 
 
 def main() -> None:

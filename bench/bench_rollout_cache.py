@@ -28,11 +28,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from timing import time_calls  # noqa: E402
 
 from distill.config import ModelConfig, RolloutConfig  # noqa: E402
 from distill.diffusion.denoise import SamplingSettings, Trace, rollout  # noqa: E402
@@ -70,15 +70,6 @@ def parse_args() -> argparse.Namespace:
     if min(args.rounds, args.calls, args.tokens_per_step) < 1:
         parser.error("--rounds, --calls and --tokens-per-step must be >= 1")
     return args
-
-
-def time_calls(fn: Callable[[], object], calls: int) -> float:
-    """Seconds per call, averaged over ``calls`` back-to-back calls."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn()
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls
 
 
 def main() -> None:

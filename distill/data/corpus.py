@@ -45,7 +45,7 @@ from typing import Any, Literal
 import numpy as np
 
 from distill.data.stream import SPLITS
-from distill.data.tasks import DataError, _error
+from distill.data.tasks import DataError, _error, check_position
 from distill.tokenizer import DEFAULT_ALPHABET, Tokenizer
 
 __all__ = [
@@ -338,16 +338,7 @@ class CorpusStream:
         }
 
     def _check_position(self, position: object) -> int:
-        if not _is_int(position):
-            raise _error("position", "be an int", position)
-        position = int(position)
-        if position < 0:
-            raise _error("position", "be >= 0", position)
-        if self._limit is not None and position >= self._limit:
-            raise _error(
-                "position", f"be < limit={self._limit} (the stream is exhausted)", position
-            )
-        return position
+        return check_position(position, self._limit)
 
     def offset(self, position: int) -> int:
         """Start of window ``position`` within :attr:`text`."""

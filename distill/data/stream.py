@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from distill.config import DataConfig
-from distill.data.tasks import TASKS, DataError, Example, Task, _error
+from distill.data.tasks import TASKS, DataError, Example, Task, _error, check_position
 from distill.tokenizer import Tokenizer
 
 __all__ = [
@@ -196,16 +196,7 @@ class TaskStream:
         }
 
     def _check_position(self, position: object) -> int:
-        if not _is_int(position):
-            raise _error("position", "be an int", position)
-        position = int(position)
-        if position < 0:
-            raise _error("position", "be >= 0", position)
-        if self._limit is not None and position >= self._limit:
-            raise _error(
-                "position", f"be < limit={self._limit} (the stream is exhausted)", position
-            )
-        return position
+        return check_position(position, self._limit)
 
     def example(self, position: int) -> Example:
         """The example at ``position``: always the same, whatever was read before."""

@@ -413,3 +413,16 @@ def verify(item: Example | tuple[str | Task, str] | str, completion: str) -> boo
 def answer_horizon(tasks: Sequence[str], max_length: int) -> int:
     """Completion slots needed for any answer of ``tasks`` up to ``max_length`` plus a stop."""
     return 1 + max(get_task(name).max_answer_length(max_length) for name in tasks)
+
+
+def check_position(position: object, limit: int | None) -> int:
+    """A stream position: an int >= 0 and, with a ``limit``, below it (an exhausted stream
+    is an error, never a wrap-around)."""
+    if not isinstance(position, int | np.integer) or isinstance(position, bool):
+        raise _error("position", "be an int", position)
+    position = int(position)
+    if position < 0:
+        raise _error("position", "be >= 0", position)
+    if limit is not None and position >= limit:
+        raise _error("position", f"be < limit={limit} (the stream is exhausted)", position)
+    return position
