@@ -50,13 +50,14 @@ Log = Callable[[str], None]
 class PreparedBatch:
     """What the learner trains on: the trace plus ``weights`` ``[B, L]`` float32,
     ``teacher_logps`` ``[B, L]`` float32 (0 where the weight is 0) and ``invalid_rows``
-    ``[B]`` bool (rows whose weights were zeroed because they broke an invariant)."""
+    ``[B]`` bool (rows whose weights were zeroed because they broke an invariant) and the
+    ``policy_version`` (int32 scalar: data, not a static, so it never triggers a compile)."""
 
     trace: Trace
     weights: jax.Array
     teacher_logps: jax.Array
     invalid_rows: jax.Array
-    policy_version: int = dataclasses.field(metadata={"static": True})
+    policy_version: jax.Array
 
 
 def teacher_sequences(trace: Trace, visible: np.ndarray) -> list[list[int]]:
@@ -102,7 +103,7 @@ def prepare_batch(
         weights=jnp.asarray(weights, jnp.float32),
         teacher_logps=jnp.asarray(np.where(weights > 0, teacher_logps, 0.0), jnp.float32),
         invalid_rows=jnp.asarray(invalid),
-        policy_version=policy_version,
+        policy_version=jnp.int32(policy_version),
     )
 
 
