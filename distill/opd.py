@@ -130,7 +130,7 @@ def _opd_step(graphdef, state, prepared: PreparedBatch, *, loss: OpdLoss, num_ch
     weight = jnp.sum(prepared.weights)
     metrics = {
         "loss": value,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "teacher_logp": jnp.sum(prepared.teacher_logps) / jnp.maximum(weight, 1.0),
     }
     metrics |= {name: weighted.value() for name, weighted in terms.metrics.items()}

@@ -157,7 +157,7 @@ def accumulated_gradients(
 def _update(optimizer, model, layout, keys, step, objective, microbatches):
     loss, grads, metrics = accumulated_gradients(objective, model, layout, keys, step, microbatches)
     optimizer.update(model, grads)
-    return {"loss": loss, "grad_norm": optax.global_norm(grads), **metrics}
+    return {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
 
 
 @functools.partial(
