@@ -1,109 +1,141 @@
-"""`make demo`: the pipeline end to end as far as it exists, with tiny models on the CPU.
+"""`make demo`: the whole product in one process with tiny models on the CPU.
 
-Today that is: a tiny causal teacher sampling autoregressively with its KV cache, and a
-tiny block-diffusion student rolling out by low-confidence block denoising with a
-clean-prefix KV cache under both sequence contracts and both commit rules, with the trace
-summarized (steps per block, tokens per forward, stop-truncated completions). The models
-are untrained, so completions are noise: this shows the machinery, not quality.
+1. train (or reuse, from ``runs/demo/teacher``) a tiny causal teacher;
+2. warm up a block-diffusion student with the MDLM objective (or reuse it);
+3. run on-policy distillation in-process: student rollouts decoded in one forward per
+   completion, teacher scores, exact packed replay, reverse-KL policy gradient;
+4. evaluate teacher, warmed-up student and OPD student at temperature 1 across commit
+   thresholds (tokens per forward from 1 to the whole completion) and write
+   ``runs/demo/report.md``, ``report.json`` and ``accuracy_vs_parallelism.png``.
+
+The job is ``deploy/configs/agree.yaml``: the ``agree`` probe, where independent parallel
+sampling fails and OPD has to teach the student's parallel marginals to agree.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import json
 import time
+from pathlib import Path
 
-import jax
-import numpy as np
-from flax import nnx
+from distill import opd, pipeline
+from distill.config import JobConfig, load_config
+from distill.data.stream import TaskStream
+from distill.evaluate import EvalReport, evaluate_student
+from distill.teacher import InProcessTeacher
 
-from distill.config import ModelConfig, RolloutConfig
-from distill.diffusion.denoise import SamplingSettings, rollout
-from distill.models.sampling import sample_causal
-from distill.models.transformer import Transformer
-from distill.tokenizer import CharTokenizer
-
-PROMPTS = ("copy:abc|", "reverse:hello|", "sort:dbca|", "add:12+34|", "agree:4|")
+THRESHOLDS = (0.0, 0.5, 0.9, 1.0)
 
 
-def _model(tokenizer: CharTokenizer, attention_type: str, block_size: int, seed: int):
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=128,
-        attention_type=attention_type,
-        block_size=block_size,
-    )
-    return Transformer(config, rngs=nnx.Rngs(seed))
+def _sweep(job, model, tokenizer, count: int) -> list[tuple[float, EvalReport]]:
+    examples = TaskStream(job.data, split="eval").batch(0, count)
+    out = []
+    for threshold in THRESHOLDS:
+        rollout = job.rollout.model_copy(update={"threshold": threshold})
+        settings = opd.rollout_settings(job.model_copy(update={"rollout": rollout}), tokenizer)
+        out.append((threshold, evaluate_student(model, tokenizer, examples, settings, seed=1)))
+    return out
 
 
-def _show(tokenizer: CharTokenizer, ids: list[int]) -> str:
-    return repr(tokenizer.decode(ids, skip_special=False))
+def _plot(path: Path, teacher: EvalReport, curves: dict[str, list[tuple[float, EvalReport]]]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for label, points in curves.items():
+        xs = [report.tokens_per_forward for _, report in points]
+        ys = [report.overall for _, report in points]
+        axis.plot(xs, ys, marker="o", label=label)
+    axis.scatter([1.0], [teacher.overall], marker="*", s=160, color="black", label="teacher")
+    axis.set_xlabel("tokens committed per forward")
+    axis.set_ylabel("exact match (temperature 1)")
+    axis.set_ylim(-0.02, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    axis.set_title("accuracy vs parallelism")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--completion-length", type=int, default=12)
+    parser.add_argument("--config", default="deploy/configs/agree.yaml")
+    parser.add_argument("--run-dir", default="runs/demo")
+    parser.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    parser.add_argument("--eval-examples", type=int, default=128)
+    parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
-    tokenizer = CharTokenizer()
-    prompts = [[tokenizer.special.bos_id, *tokenizer.encode(p)] for p in PROMPTS]
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; seed {args.seed}")
-    print(f"tokenizer: char, vocab {tokenizer.vocab_size}, hash {tokenizer.content_hash()[:12]}")
-
-    teacher = _model(tokenizer, "causal", 1, args.seed)
     start = time.perf_counter()
-    sample = sample_causal(
-        teacher,
-        prompts,
-        max_new_tokens=args.completion_length,
-        key=jax.random.key(args.seed),
-        pad_id=tokenizer.special.pad_id,
-        stop_ids=tokenizer.special.stop_ids,
-        excluded_ids=(tokenizer.special.mask_id,),
-    )
-    print(f"\n== teacher (causal, KV cache): {time.perf_counter() - start:.1f}s incl. compile")
-    for prompt, completion in zip(PROMPTS, sample.completions(), strict=True):
-        print(f"  {prompt!r:>18} -> {_show(tokenizer, completion)}")
+    job = load_config(args.config, JobConfig, args.set)
+    run = Path(args.run_dir)
+    tokenizer = pipeline.job_tokenizer(job)
+    progress = not args.quiet
+    print(f"== job {args.config} (seed {job.seed}); runs in {run}")
 
-    student = _model(tokenizer, "block_diffusion", args.block_size, args.seed + 1)
-    variants = [
-        ("same_position", "all_masked", {"commit_rule": "threshold", "threshold": 0.1}),
-        ("shifted", "seed_and_mask", {"commit_rule": "threshold", "threshold": 0.1}),
-        ("same_position", "all_masked", {"commit_rule": "schedule", "schedule_steps": 6}),
+    print("== 1/4 causal teacher")
+    teacher, teacher_report = pipeline.train_teacher(job, run / "teacher", progress=progress)
+    print("== 2/4 student warm-up")
+    student, _ = pipeline.warmup_student(job, run / "student", progress=progress)
+    print("== 3/4 on-policy distillation")
+    warmed = _sweep(job, student, tokenizer, args.eval_examples)
+    history, reports = opd.run_opd(
+        job, student, InProcessTeacher(teacher, tokenizer), tokenizer, progress=progress
+    )
+    print("== 4/4 evaluation across commit thresholds")
+    distilled = _sweep(job, student, tokenizer, args.eval_examples)
+
+    rows = [("teacher (causal)", None, teacher_report)]
+    rows += [("warmed-up student", t, r) for t, r in warmed]
+    rows += [("OPD student", t, r) for t, r in distilled]
+    lines = [
+        f"# Demo report: {args.config}, seed {job.seed}",
+        "",
+        "Exact match at temperature 1 on the eval split; tokens per forward counts committed "
+        "completion tokens per student forward (1 for the autoregressive teacher).",
+        "",
+        "| model | threshold | tokens / forward | "
+        + " | ".join(teacher_report.accuracy)
+        + " | overall | agree entropy (bits) |",
+        "|---|---|---|" + "---|" * len(teacher_report.accuracy) + "---|---|",
     ]
-    for alignment, canvas, rule in variants:
-        config = RolloutConfig(
-            alignment=alignment,
-            canvas=canvas,
-            max_completion_length=args.completion_length,
-            **rule,
+    for name, threshold, report in rows:
+        accuracy = " | ".join(
+            f"{report.accuracy.get(task, 0.0):.3f}" for task in teacher_report.accuracy
         )
-        settings = SamplingSettings.from_config(config, tokenizer.special)
-        start = time.perf_counter()
-        trace = rollout(student, prompts, settings, seed=args.seed, global_step=0)
-        elapsed = time.perf_counter() - start
-        steps = np.asarray(trace.action_steps)
-        per_step = collections.Counter(
-            int(count) for row in steps for count in np.bincount(row[row >= 0])
+        entropy = "-" if report.agree_entropy_bits is None else f"{report.agree_entropy_bits:.2f}"
+        lines.append(
+            f"| {name} | {'-' if threshold is None else threshold} | "
+            f"{report.tokens_per_forward:.2f} | {accuracy} | {report.overall:.3f} | {entropy} |"
         )
-        print(
-            f"\n== student rollout: {alignment}+{canvas}, {rule}, block {args.block_size} "
-            f"({elapsed:.1f}s incl. compile)"
+    lines += ["", f"OPD: {job.opd.steps} steps, loss {job.loss.kind} / {job.loss.advantage}."]
+    lines.append(f"Wall time {time.perf_counter() - start:.0f} s.")
+    (run / "report.md").write_text("\n".join(lines) + "\n")
+    (run / "report.json").write_text(
+        json.dumps(
+            {
+                "teacher": teacher_report.to_dict(),
+                "warmed_up": [{"threshold": t, **r.to_dict()} for t, r in warmed],
+                "opd": [{"threshold": t, **r.to_dict()} for t, r in distilled],
+                "opd_evaluations": [{"step": s, **r.to_dict()} for s, r in reports],
+                "opd_last_metrics": history[-1] if history else {},
+            },
+            indent=2,
         )
-        print(
-            f"  tokens per forward {trace.tokens_per_forward():.2f}; forwards per row "
-            f"{np.asarray(trace.forwards).tolist()}; tokens committed per step "
-            f"{dict(sorted(per_step.items()))}"
-        )
-        for prompt, completion in zip(PROMPTS, trace.completions(), strict=True):
-            print(f"  {prompt!r:>18} -> {_show(tokenizer, completion)}")
-    print("\n(untrained models: the completions are noise; the traces are exact and replayable)")
+    )
+    _plot(
+        run / "accuracy_vs_parallelism.png",
+        teacher_report,
+        {"warmed-up student": warmed, "OPD student": distilled},
+    )
+    print("\n".join(lines))
+    print(
+        f"\nwrote {run / 'report.md'}, {run / 'report.json'}, {run / 'accuracy_vs_parallelism.png'}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""`make demo` runs end to end (the same entry point, in a subprocess)."""
+"""`make demo` runs end to end (the same entry point, shortened, in a subprocess)."""
 
+import json
 import subprocess
 import sys
 
@@ -7,13 +8,25 @@ import pytest
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end_and_reports_tokens_per_forward():
-    result = subprocess.run(
-        [sys.executable, "-m", "distill.demo", "--completion-length", "8"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_demo_runs_every_phase_and_writes_the_report_and_plot(tmp_path):
+    shorter = [
+        "teacher_training.steps=30",
+        "teacher_training.eval_examples=16",
+        "student_warmup.steps=30",
+        "student_warmup.eval_examples=16",
+        "opd.steps=3",
+        "opd.eval_examples=16",
+    ]
+    command = [sys.executable, "-m", "distill.demo", "--run-dir", str(tmp_path), "--quiet"]
+    command += ["--eval-examples", "16"]
+    for override in shorter:
+        command += ["--set", override]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("tokens per forward") == 3
-    assert "teacher (causal, KV cache)" in result.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {"teacher", "warmed_up", "opd"} <= report.keys()
+    # The sweep goes from one token per forward to the whole completion in one forward.
+    per_forward = [entry["tokens_per_forward"] for entry in report["opd"]]
+    assert per_forward[0] > per_forward[-1] == pytest.approx(1.0)
+    assert (tmp_path / "accuracy_vs_parallelism.png").stat().st_size > 1000
+    assert "| OPD student |" in (tmp_path / "report.md").read_text()
