@@ -25,6 +25,8 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 

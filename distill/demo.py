@@ -46,8 +46,8 @@ def _plot(path: Path, teacher: EvalReport, curves: dict[str, list[tuple[float, E
 
     figure, axis = plt.subplots(figsize=(6, 4))
     for label, points in curves.items():
-        xs = [report.tokens_per_forward for _, report in points]
-        ys = [report.overall for _, report in points]
+        ordered = sorted((report.tokens_per_forward, report.overall) for _, report in points)
+        xs, ys = [x for x, _ in ordered], [y for _, y in ordered]
         axis.plot(xs, ys, marker="o", label=label)
     axis.scatter([1.0], [teacher.overall], marker="*", s=160, color="black", label="teacher")
     axis.set_xlabel("tokens committed per forward")
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         accuracy = " | ".join(
             f"{report.accuracy.get(task, 0.0):.3f}" for task in teacher_report.accuracy
         )
-        entropy = "-" if report.agree_entropy_bits is None else f"{report.agree_entropy_bits:.2f}"
+        entropy = report.agree_entropy_bits
+        entropy = "-" if entropy is None else f"{abs(entropy):.2f}"
         lines.append(
             f"| {name} | {'-' if threshold is None else threshold} | "
             f"{report.tokens_per_forward:.2f} | {accuracy} | {report.overall:.3f} | {entropy} |"

@@ -55,7 +55,7 @@ def _report(
     entropy = None
     if symbols:
         total = sum(symbols.values())
-        entropy = -sum(n / total * math.log2(n / total) for n in symbols.values())
+        entropy = max(0.0, -sum(n / total * math.log2(n / total) for n in symbols.values()))
     distinct = None
     if samples_per_prompt > 1:
         groups = [
