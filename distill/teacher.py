@@ -74,8 +74,11 @@ def model_hash(model: nnx.Module) -> str:
 def check_compatible(teacher: TeacherInfo, tokenizer: Tokenizer, student_vocab: int) -> None:
     """Refuse a teacher whose vocabulary or special ids differ from the student's."""
     special = tokenizer.special
+    # The student may have exactly one more row than the teacher: the appended mask token
+    # (see docs/models.md); every teacher id means the same token for both.
+    appended_mask = student_vocab == teacher.vocab_size + 1 == special.mask_id + 1
     expected = {
-        "vocab_size": (student_vocab, teacher.vocab_size),
+        "vocab_size": (student_vocab, teacher.vocab_size + (1 if appended_mask else 0)),
         "pad_id": (special.pad_id, teacher.pad_id),
         "bos_id": (special.bos_id, teacher.bos_id),
         "mask_id": (special.mask_id, teacher.mask_id),
@@ -120,10 +123,12 @@ class InProcessTeacher:
                 "`teacher.attention_type` must be 'causal'; received "
                 f"{model.config.attention_type!r}"
             )
-        if model.config.vocab_size != tokenizer.vocab_size:
+        vocab, mask_id = model.config.vocab_size, tokenizer.special.mask_id
+        appended_mask = tokenizer.vocab_size == vocab + 1 and mask_id == vocab
+        if vocab != tokenizer.vocab_size and not appended_mask:
             raise CompatibilityError(
-                f"`teacher.vocab_size` must equal the tokenizer's {tokenizer.vocab_size}; "
-                f"received {model.config.vocab_size}"
+                f"`teacher.vocab_size` must equal the tokenizer's {tokenizer.vocab_size} (or "
+                f"one less, when the tokenizer appended the mask token); received {vocab}"
             )
         self.model = model
         self.tokenizer = tokenizer
@@ -153,7 +158,10 @@ class InProcessTeacher:
             if ids.ndim != 1 or ids.size < 2:
                 raise ValueError(f"`sequences[{index}]` must hold >= 2 ids; received {ids.size}")
             if ids.min() < 0 or ids.max() >= vocab:
-                raise ValueError(f"`sequences[{index}]` must hold ids in [0, {vocab})")
+                raise ValueError(
+                    f"`sequences[{index}]` must hold ids in [0, {vocab}); received "
+                    f"{ids.min()}..{ids.max()}"
+                )
             if ids.size > self._info.max_length:
                 raise ValueError(
                     f"`sequences[{index}]` must be at most {self._info.max_length} ids; "

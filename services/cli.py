@@ -3,6 +3,7 @@
     distill demo                       the end-to-end demo (same as ``make demo``)
     distill train-teacher CONFIG --run-dir DIR [--set a.b=value ...]
     distill warmup-student CONFIG --run-dir DIR [--teacher-run DIR] [--set a.b=value ...]
+    distill score --hf-checkpoint DIR TEXT [--top-k K]
 
 CONFIG is a job YAML (see ``deploy/configs/``); ``--set`` applies dotted overrides. Runs
 resume from their newest checkpoint and refuse a changed setup (the run contract). Errors in
@@ -40,6 +41,30 @@ def _warmup_student(args: argparse.Namespace) -> None:
     pipeline.warmup_student(job, args.run_dir, teacher=teacher, progress=not args.quiet)
 
 
+def _score(args: argparse.Namespace) -> None:
+    from distill.models.hf import load_teacher
+    from distill.teacher import InProcessTeacher
+
+    model, checkpoint = load_teacher(args.hf_checkpoint)
+    tokenizer = checkpoint.tokenizer
+    ids = [tokenizer.special.bos_id, *tokenizer.encode(args.text)]
+    scored = InProcessTeacher(model, tokenizer).score([ids], top_k=args.top_k)[0]
+    print(f"{'position':>8}  {'token':>12}  {'log-prob':>9}")
+    for position, (token, log_prob) in enumerate(zip(ids[1:], scored.log_probs, strict=True)):
+        text = tokenizer.decode([token], skip_special=False)
+        line = f"{position + 1:>8}  {text!r:>12}  {log_prob:9.4f}"
+        if scored.top_ids is not None:
+            top = ", ".join(
+                f"{tokenizer.decode([int(i)], skip_special=False)!r}:{lp:.2f}"
+                for i, lp in zip(
+                    scored.top_ids[position], scored.top_log_probs[position], strict=True
+                )
+            )
+            line += f"  top: {top}"
+        print(line)
+    print(f"total {float(scored.log_probs.sum()):.4f} nats over {len(scored.log_probs)} tokens")
+
+
 def _demo(args: argparse.Namespace) -> None:
     from distill import demo
 
@@ -66,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "warmup-student":
             command.add_argument("--teacher-run", help="a finished train-teacher run dir")
         command.set_defaults(run=handler)
+
+    score = commands.add_parser("score", help="teacher log-probs of a text (HF checkpoint)")
+    score.add_argument("text")
+    score.add_argument("--hf-checkpoint", required=True, help="Llama / Qwen2 checkpoint dir")
+    score.add_argument("--top-k", type=int, default=None)
+    score.set_defaults(run=_score)
     return parser
 
 

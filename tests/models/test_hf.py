@@ -361,3 +361,22 @@ def test_missing_weights_are_refused(llama_untied, tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="^`path` must contain model.safetensors"):
         load_teacher(tmp_path)
+
+
+def test_distill_score_reads_a_checkpoint_directory(llama_untied, capsys):
+    from services import cli
+
+    directory = llama_untied[1]
+    assert cli.main(["score", "--hf-checkpoint", str(directory), "w3 w1 w5", "--top-k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "total" in out and out.count("top:") == 3
+
+
+def test_hf_teacher_is_compatible_with_its_student_with_the_appended_mask(llama_untied):
+    from distill.teacher import InProcessTeacher, check_compatible
+
+    directory = llama_untied[1]
+    teacher, checkpoint = load_teacher(directory)
+    student, _ = init_student(directory, block_size=4)
+    info = InProcessTeacher(teacher, checkpoint.tokenizer).info()
+    check_compatible(info, checkpoint.tokenizer, student.config.vocab_size)
