@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distill.checkpoint import RunCheckpointer, topology
+from distill.checkpoint import CheckpointError, RunCheckpointer, topology
 from distill.config import JobConfig, ModelConfig, PhaseConfig
 from distill.data.stream import TaskStream
 from distill.data.tasks import answer_horizon
@@ -112,6 +112,14 @@ def _train_phase(
             + (f" (skipped {restored.skipped})" * bool(restored.skipped))
         )
     stream = TaskStream(job.data)
+    # The data ledger: ranges of stream positions trained by the lineage of this state.
+    ledger: list[list[int]] = [] if restored is None else restored.progress.get("ledger", [])
+    trained = ledger[-1][1] if ledger else 0
+    if trained != step * stream.batch_size:
+        raise CheckpointError(
+            f"`ledger` must end at the checkpoint's trained position "
+            f"{step * stream.batch_size}; it ends at {trained} in {run_dir}"
+        )
     trainer = Trainer(model, optimizer)
     history: list[dict[str, float]] = []
     end = phase.steps if stop_after is None else min(phase.steps, stop_after)
@@ -129,14 +137,31 @@ def _train_phase(
             microbatches=phase.optimizer.microbatches,
             progress=progress,
         )
-        step += segment
+        start, step = step, step + segment
+        ledger = _extend_ledger(ledger, start * stream.batch_size, step * stream.batch_size)
         checkpointer.save(
             step,
             (optimizer, model),
-            {"data_position": step * stream.batch_size, "last": history[-1] if history else {}},
+            {
+                "data_position": step * stream.batch_size,
+                "ledger": ledger,
+                "last": history[-1] if history else {},
+            },
         )
     checkpointer.close()
     return history
+
+
+def _extend_ledger(ledger: list[list[int]], start: int, end: int) -> list[list[int]]:
+    """Append the trained range ``[start, end)``; contiguous ranges merge. Overlap would mean
+    a sample trained twice: refused."""
+    if ledger and start < ledger[-1][1]:
+        raise CheckpointError(
+            f"`ledger` must not train position {start} twice (trained up to {ledger[-1][1]})"
+        )
+    if ledger and start == ledger[-1][1]:
+        return [*ledger[:-1], [ledger[-1][0], end]]
+    return [*ledger, [start, end]]
 
 
 def _write_report(run_dir: Path, report: EvalReport) -> None:

@@ -40,14 +40,18 @@ def uninterrupted(tmp_path_factory):
     return run, params(model), report
 
 
-def test_interrupted_then_resumed_run_is_bitwise_identical(tmp_path, uninterrupted):
+def test_three_interruptions_then_resume_is_bitwise_identical_and_exactly_once(
+    tmp_path, uninterrupted
+):
     _, expected, _ = uninterrupted
     job = tiny_job()
-    pipeline.train_teacher(job, tmp_path, progress=False, stop_after=2, log=lambda _: None)
-    pipeline.train_teacher(job, tmp_path, progress=False, stop_after=4, log=lambda _: None)
+    for stop in (1, 3, 4):  # mid-segment stops too: a checkpoint is written at each
+        pipeline.train_teacher(job, tmp_path, progress=False, stop_after=stop, log=lambda _: None)
     model, _ = pipeline.train_teacher(job, tmp_path, progress=False, log=lambda _: None)
     for got, want in zip(params(model), expected, strict=True):
         np.testing.assert_array_equal(got, want)
+    progress = json.loads((tmp_path / "checkpoints" / "6" / "progress" / "metadata").read_text())
+    assert progress["ledger"] == [[0, 6 * 8]]  # every position once, in order
 
 
 def test_progress_records_the_trained_data_position(uninterrupted):
