@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distill.checkpoint import CheckpointError, RunCheckpointer, topology
-from distill.config import JobConfig, ModelConfig, PhaseConfig
+from distill.config import JobConfig, PhaseConfig
 from distill.data.stream import TaskStream
 from distill.data.tasks import answer_horizon
 from distill.diffusion.denoise import SamplingSettings
@@ -277,10 +277,3 @@ def evaluate_student_job(
     settings = SamplingSettings.from_config(rollout, tokenizer.special)
     examples = TaskStream(job.data, split="eval").batch(0, count)
     return evaluate_student(model, tokenizer, examples, settings, seed=job.seed)
-
-
-def model_config_summary(config: ModelConfig) -> str:
-    return (
-        f"{config.attention_type} d{config.d_model} L{config.n_layers} "
-        f"h{config.n_heads}/{config.n_kv_heads} block {config.block_size}"
-    )
