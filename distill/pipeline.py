@@ -27,6 +27,7 @@ from distill.diffusion.denoise import SamplingSettings
 from distill.diffusion.objectives import CausalLM, Objective
 from distill.evaluate import EvalReport, evaluate_student, evaluate_teacher
 from distill.models.transformer import Transformer
+from distill.teacher import model_hash
 from distill.tokenizer import Tokenizer, tokenizer_from_spec
 from distill.train import Trainer, TrainingObjective, fit, make_train_state
 
@@ -46,8 +47,11 @@ def job_tokenizer(job: JobConfig) -> Tokenizer:
     return tokenizer
 
 
-def phase_contract(job: JobConfig, tokenizer: Tokenizer, phase: str) -> dict[str, Any]:
-    """Everything a resumed phase must share with the run it resumes."""
+def phase_contract(
+    job: JobConfig, tokenizer: Tokenizer, phase: str, *, teacher_hash: str | None = None
+) -> dict[str, Any]:
+    """Everything a resumed phase must share with the run it resumes (for a student
+    initialized from the teacher, the teacher's parameter hash too)."""
     stream = TaskStream(job.data)
     contract: dict[str, Any] = {
         "phase": phase,
@@ -68,6 +72,7 @@ def phase_contract(job: JobConfig, tokenizer: Tokenizer, phase: str) -> dict[str
         contract |= {
             "student": job.student.model_dump(),
             "student_init": job.student_init,
+            "teacher_hash": teacher_hash,
             "objective": job.objective.model_dump(),
             "training": _phase(job.student_warmup),
         }
@@ -247,9 +252,10 @@ def warmup_student(
     tokenizer = job_tokenizer(job)
     model = init_student(job, teacher)
     objective = Objective(job.objective, tokenizer.special.mask_id)
+    teacher_hash = model_hash(teacher) if job.student_init == "teacher" else None
     _train_phase(
         run_dir,
-        phase_contract(job, tokenizer, "student_warmup"),
+        phase_contract(job, tokenizer, "student_warmup", teacher_hash=teacher_hash),
         model,
         job.student_warmup,
         objective,

@@ -105,3 +105,17 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_step(uninterr
     messages.append(restored)
     assert restored.step == 4 and restored.skipped == (6,)
     assert any(not np.array_equal(a, b) for a, b in zip(params(model), before, strict=True))
+
+
+def test_student_warmup_refuses_to_resume_from_a_different_teacher(tmp_path):
+    job = tiny_job(
+        "student_warmup.steps=2",
+        "student_warmup.optimizer.warmup_steps=1",
+        "student_warmup.eval_examples=4",
+    )
+    silent = dict(progress=False, log=lambda _: None, stop_after=1)
+    teacher = pipeline.Transformer(job.teacher, rngs=nnx.Rngs(0))
+    pipeline.warmup_student(job, tmp_path, teacher=teacher, **silent)
+    other = pipeline.Transformer(job.teacher, rngs=nnx.Rngs(1))
+    with pytest.raises(ContractMismatch, match="`teacher_hash`"):
+        pipeline.warmup_student(job, tmp_path, teacher=other, **silent)
