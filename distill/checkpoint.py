@@ -73,6 +73,31 @@ def contract_differences(
     }
 
 
+def extend_ledger(ledger: list[list[int]], start: int, end: int) -> list[list[int]]:
+    """The data ledger (ranges ``[start, end)`` of stream positions trained by the lineage
+    of a state) with ``[start, end)`` appended; contiguous ranges merge. Overlap would mean
+    a sample trained twice: refused."""
+    if ledger and start < ledger[-1][1]:
+        raise CheckpointError(
+            f"`ledger` must not train position {start} twice (trained up to {ledger[-1][1]})"
+        )
+    if ledger and start == ledger[-1][1]:
+        return [*ledger[:-1], [ledger[-1][0], end]]
+    return [*ledger, [start, end]]
+
+
+def restored_ledger(restored: Restored | None, position: int, directory: Path) -> list[list[int]]:
+    """The ledger of a restored checkpoint, which must end at its trained ``position``."""
+    ledger: list[list[int]] = [] if restored is None else restored.progress.get("ledger", [])
+    trained = ledger[-1][1] if ledger else 0
+    if trained != position:
+        raise CheckpointError(
+            f"`ledger` must end at the checkpoint's trained position {position}; it ends at "
+            f"{trained} in {directory}"
+        )
+    return ledger
+
+
 def topology() -> dict[str, Any]:
     """Process count, device count and platform: part of every contract."""
     return {
@@ -99,6 +124,7 @@ class RunCheckpointer:
             raise ValueError(f"`max_to_keep` must be >= 1; received {max_to_keep}")
         self.directory = Path(directory).absolute()
         self.contract = json.loads(json.dumps(dict(contract)))
+        self._unreadable: set[int] = set()
         self._manager = ocp.CheckpointManager(
             self.directory / "checkpoints",
             options=ocp.CheckpointManagerOptions(
@@ -131,7 +157,12 @@ class RunCheckpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, progress: Mapping[str, Any]) -> None:
-        """Save ``state`` (an nnx graph node or tuple of them) and the JSON ``progress``."""
+        """Save ``state`` (an nnx graph node or tuple of them) and the JSON ``progress``.
+        A step that :meth:`restore_latest` found unreadable is replaced."""
+        if step in self._unreadable:
+            logger.warning("replacing unreadable checkpoint step %d", step)
+            self._manager.delete(step)
+            self._unreadable.discard(step)
         pure = nnx.to_pure_dict(nnx.state(state))
         self._manager.save(
             step,
@@ -161,6 +192,7 @@ class RunCheckpointer:
             except Exception as error:  # noqa: BLE001 - any failure means "not restorable"
                 logger.warning("checkpoint step %d is unreadable (%s); trying older", step, error)
                 skipped.append(step)
+                self._unreadable.add(step)
                 continue
             nnx.replace_by_pure_dict(target, restored.state)
             nnx.update(state, target)

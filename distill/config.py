@@ -248,6 +248,19 @@ class LossConfig(_Config):
     task_reward_weight: float = Field(default=0.0, ge=0.0)
     kl_reference_weight: float = Field(default=0.0, ge=0.0)
     max_staleness: int = Field(default=1, ge=0)
+    # Rollouts per prompt: each batch holds data.batch_size prompts x group_size rows; the
+    # GRPO task reward is normalized within each prompt's group.
+    group_size: int = Field(default=1, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.task_reward_weight > 0 and self.group_size < 2:
+            raise _field_error(
+                "group_size",
+                "be >= 2 when task_reward_weight > 0 (GRPO normalizes within a group)",
+                self.group_size,
+            )
+        return self
 
 
 class DataConfig(_Config):

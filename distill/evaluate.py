@@ -80,7 +80,8 @@ def _repeat(examples: Sequence[Example], times: int) -> list[Example]:
     return [example for example in examples for _ in range(times)]
 
 
-def _text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+def completion_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The answer text of completion ``ids``: stop tokens dropped, then decoded."""
     stops = set(tokenizer.special.stop_ids)
     return tokenizer.decode([i for i in ids if i not in stops])
 
@@ -111,7 +112,7 @@ def evaluate_teacher(
         temperature=temperature,
         greedy=greedy,
     )
-    texts = [_text(tokenizer, ids) for ids in sample.completions()]
+    texts = [completion_text(tokenizer, ids) for ids in sample.completions()]
     return _report(examples, texts, 1.0, samples_per_prompt)
 
 
@@ -129,5 +130,5 @@ def evaluate_student(
     examples = _repeat(examples, samples_per_prompt)
     prompts = [encode_example(example, tokenizer)[0] for example in examples]
     trace = rollout(model, prompts, settings, seed=seed, global_step=global_step, mode="eval")
-    texts = [_text(tokenizer, ids) for ids in trace.completions()]
+    texts = [completion_text(tokenizer, ids) for ids in trace.completions()]
     return _report(examples, texts, trace.tokens_per_forward(), samples_per_prompt)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distill.checkpoint import CheckpointError, RunCheckpointer, topology
+from distill.checkpoint import RunCheckpointer, extend_ledger, restored_ledger, topology
 from distill.config import JobConfig, PhaseConfig
 from distill.data.stream import TaskStream
 from distill.data.tasks import answer_horizon
@@ -48,10 +48,17 @@ def job_tokenizer(job: JobConfig) -> Tokenizer:
 
 
 def phase_contract(
-    job: JobConfig, tokenizer: Tokenizer, phase: str, *, teacher_hash: str | None = None
+    job: JobConfig,
+    tokenizer: Tokenizer,
+    phase: str,
+    *,
+    teacher_hash: str | None = None,
+    student_hash: str | None = None,
 ) -> dict[str, Any]:
-    """Everything a resumed phase must share with the run it resumes (for a student
-    initialized from the teacher, the teacher's parameter hash too)."""
+    """Everything a resumed phase must share with the run it resumes: for a student
+    initialized from the teacher, the teacher's parameter hash; for OPD, the teacher's
+    model hash (as its scoring server reports it) and the hash of the student it started
+    from, plus the rollout and loss configs."""
     stream = TaskStream(job.data)
     contract: dict[str, Any] = {
         "phase": phase,
@@ -76,9 +83,28 @@ def phase_contract(
             "objective": job.objective.model_dump(),
             "training": _phase(job.student_warmup),
         }
+    elif phase == "opd":
+        contract |= {
+            "student": job.student.model_dump(),
+            "teacher": job.teacher.model_dump(),
+            "teacher_hash": teacher_hash,
+            "student_start_hash": student_hash,
+            "rollout": job.rollout.model_dump(),
+            "loss": job.loss.model_dump(),
+            "training": _phase(job.opd),
+        }
     else:
-        raise ValueError(f"`phase` must be 'teacher_training' or 'student_warmup'; got {phase!r}")
+        raise ValueError(
+            f"`phase` must be 'teacher_training', 'student_warmup' or 'opd'; received {phase!r}"
+        )
     return contract
+
+
+def phase_train_state(model: Transformer, phase: PhaseConfig) -> nnx.Optimizer:
+    """The optimizer of a phase (a cosine schedule spans the phase's steps)."""
+    return make_train_state(
+        model, phase.optimizer, phase.steps if phase.optimizer.schedule == "cosine" else None
+    )
 
 
 def _phase(config: PhaseConfig) -> dict[str, Any]:
@@ -103,11 +129,7 @@ def _train_phase(
     log: Log,
     stop_after: int | None = None,
 ) -> list[dict[str, float]]:
-    optimizer = make_train_state(
-        model,
-        phase.optimizer,
-        phase.steps if phase.optimizer.schedule == "cosine" else None,
-    )
+    optimizer = phase_train_state(model, phase)
     checkpointer = RunCheckpointer.open(run_dir, contract)
     restored = checkpointer.restore_latest((optimizer, model))
     step = 0 if restored is None else restored.step
@@ -117,14 +139,7 @@ def _train_phase(
             + (f" (skipped {restored.skipped})" * bool(restored.skipped))
         )
     stream = TaskStream(job.data)
-    # The data ledger: ranges of stream positions trained by the lineage of this state.
-    ledger: list[list[int]] = [] if restored is None else restored.progress.get("ledger", [])
-    trained = ledger[-1][1] if ledger else 0
-    if trained != step * stream.batch_size:
-        raise CheckpointError(
-            f"`ledger` must end at the checkpoint's trained position "
-            f"{step * stream.batch_size}; it ends at {trained} in {run_dir}"
-        )
+    ledger = restored_ledger(restored, step * stream.batch_size, run_dir)
     trainer = Trainer(model, optimizer)
     history: list[dict[str, float]] = []
     end = phase.steps if stop_after is None else min(phase.steps, stop_after)
@@ -143,7 +158,7 @@ def _train_phase(
             progress=progress,
         )
         start, step = step, step + segment
-        ledger = _extend_ledger(ledger, start * stream.batch_size, step * stream.batch_size)
+        ledger = extend_ledger(ledger, start * stream.batch_size, step * stream.batch_size)
         checkpointer.save(
             step,
             (optimizer, model),
@@ -155,18 +170,6 @@ def _train_phase(
         )
     checkpointer.close()
     return history
-
-
-def _extend_ledger(ledger: list[list[int]], start: int, end: int) -> list[list[int]]:
-    """Append the trained range ``[start, end)``; contiguous ranges merge. Overlap would mean
-    a sample trained twice: refused."""
-    if ledger and start < ledger[-1][1]:
-        raise CheckpointError(
-            f"`ledger` must not train position {start} twice (trained up to {ledger[-1][1]})"
-        )
-    if ledger and start == ledger[-1][1]:
-        return [*ledger[:-1], [ledger[-1][0], end]]
-    return [*ledger, [start, end]]
 
 
 def _write_report(run_dir: Path, report: EvalReport) -> None:
@@ -211,17 +214,38 @@ def load_teacher_run(job: JobConfig, run_dir: str | Path) -> Transformer:
     """The trained teacher of a finished teacher-training run of this job."""
     tokenizer = job_tokenizer(job)
     model = Transformer(job.teacher, rngs=nnx.Rngs(job.seed))
-    optimizer = make_train_state(
-        model,
-        job.teacher_training.optimizer,
-        job.teacher_training.steps if job.teacher_training.optimizer.schedule == "cosine" else None,
-    )
+    optimizer = phase_train_state(model, job.teacher_training)
     checkpointer = RunCheckpointer.open(run_dir, phase_contract(job, tokenizer, "teacher_training"))
     restored = checkpointer.restore_latest((optimizer, model))
     checkpointer.close()
     if restored is None or restored.step < job.teacher_training.steps:
         raise ValueError(
             f"`teacher_run` must hold a finished teacher ({job.teacher_training.steps} steps); "
+            f"{run_dir} has {None if restored is None else restored.step}"
+        )
+    return model
+
+
+def load_student_run(
+    job: JobConfig, run_dir: str | Path, *, teacher: Transformer | None = None
+) -> Transformer:
+    """The warmed-up student of a finished student warm-up run of this job (``teacher`` is
+    needed when ``student_init`` is 'teacher': the run's contract names its hash)."""
+    tokenizer = job_tokenizer(job)
+    model = Transformer(job.student, rngs=nnx.Rngs(job.seed + 1))
+    optimizer = phase_train_state(model, job.student_warmup)
+    teacher_hash = None
+    if job.student_init == "teacher":
+        if teacher is None:
+            raise ValueError("`teacher` must be given when student_init is 'teacher'")
+        teacher_hash = model_hash(teacher)
+    contract = phase_contract(job, tokenizer, "student_warmup", teacher_hash=teacher_hash)
+    checkpointer = RunCheckpointer.open(run_dir, contract)
+    restored = checkpointer.restore_latest((optimizer, model))
+    checkpointer.close()
+    if restored is None or restored.step < job.student_warmup.steps:
+        raise ValueError(
+            f"`student_run` must hold a finished warm-up ({job.student_warmup.steps} steps); "
             f"{run_dir} has {None if restored is None else restored.step}"
         )
     return model

@@ -9,7 +9,7 @@ from distill.config import LossConfig, ModelConfig, OptimizerConfig, RolloutConf
 from distill.diffusion.denoise import SamplingSettings, rollout
 from distill.losses import OpdLoss
 from distill.models.transformer import Transformer
-from distill.opd import opd_update, prepare_batch, teacher_sequences
+from distill.opd import opd_update, prepare_batch, teacher_sequences, teacher_top_k
 from distill.teacher import InProcessTeacher
 from distill.tokenizer import CharTokenizer
 from distill.train import make_train_state
@@ -90,9 +90,89 @@ def test_one_opd_update_changes_the_student_and_reports_finite_metrics(setup):
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, after, strict=True))
 
 
-def test_the_loop_refuses_loss_kinds_it_does_not_wire_yet(setup):
+def fresh_copy(model):
+    copy = nnx.clone(model)
+    nnx.update(copy, jax.tree.map(np.array, nnx.state(model)))
+    return copy
+
+
+def one_update(setup, loss, **prepare):
+    tokenizer, teacher, student, trace = setup
+    model = fresh_copy(student)
+    optimizer = make_train_state(model, OptimizerConfig(learning_rate=1e-2))
+    top_k = teacher_top_k(loss, teacher.info())
+    prepared = prepare_batch(trace, teacher, tokenizer, top_k=top_k, **prepare)
+    reference = fresh_copy(student) if loss.kl_reference_weight > 0 else None
+    metrics = opd_update(optimizer, model, prepared, loss, reference=reference)
+    return model, metrics
+
+
+def changed(before, after):
+    pairs = zip(
+        jax.tree.leaves(nnx.state(before, nnx.Param)),
+        jax.tree.leaves(nnx.state(after, nnx.Param)),
+        strict=True,
+    )
+    return any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        OpdLoss(kind="forward_kl"),
+        OpdLoss(kind="reverse_kl_full", teacher_top_k=5),
+        OpdLoss(kind="jsd", teacher_top_k=5),
+    ],
+    ids=["forward_kl-full", "reverse_kl_full-top5", "jsd-top5"],
+)
+def test_distribution_losses_train_through_the_loop(setup, loss):
+    model, metrics = one_update(setup, loss)
+    assert all(np.isfinite(value) for value in metrics.values()), metrics
+    assert metrics[loss.kind] > 0 and metrics["teacher_nonfinite"] == 0
+    assert changed(setup[2], model)
+
+
+def test_top_k_with_k_equal_to_the_vocabulary_gives_the_full_vocabulary_loss(setup):
+    vocab = setup[1].info().vocab_size
+    _, full = one_update(setup, OpdLoss(kind="forward_kl"))
+    _, topk = one_update(setup, OpdLoss(kind="forward_kl", teacher_top_k=vocab))
+    np.testing.assert_allclose(topk["forward_kl"], full["forward_kl"], rtol=1e-5)
+    np.testing.assert_allclose(topk["grad_norm"], full["grad_norm"], rtol=1e-4)
+
+
+def test_the_reference_kl_is_zero_when_the_reference_is_the_starting_student(setup):
+    _, metrics = one_update(setup, OpdLoss(kl_reference_weight=0.5))
+    assert metrics["kl_reference"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_grpo_task_reward_adds_group_normalized_advantages(setup):
+    rows = setup[3].tokens.shape[0]
+    loss = OpdLoss(task_reward_weight=1.0, advantage="token")
+    rewards = [1.0, 0.0, 0.0][:rows]
+    _, with_reward = one_update(setup, loss, rewards=rewards, group_ids=[0, 0, 1][:rows])
+    _, without = one_update(setup, OpdLoss(advantage="token"))
+    assert with_reward["reward"] == pytest.approx(np.mean(rewards))
+    assert with_reward["loss"] != pytest.approx(without["loss"])
+    # Rewards that are equal within every group add nothing.
+    _, flat = one_update(setup, loss, rewards=[1.0] * rows, group_ids=[0, 0, 1][:rows])
+    np.testing.assert_allclose(flat["loss"], without["loss"], rtol=1e-6)
+
+
+def test_the_update_refuses_a_batch_without_what_the_loss_needs(setup):
     tokenizer, teacher, student, trace = setup
     prepared = prepare_batch(trace, teacher, tokenizer)
-    optimizer = make_train_state(nnx.clone(student), OptimizerConfig())
-    with pytest.raises(ValueError, match="`loss.kind`"):
+    optimizer = make_train_state(fresh_copy(student), OptimizerConfig())
+    with pytest.raises(ValueError, match="`prepared.teacher_topk_ids`"):
         opd_update(optimizer, student, prepared, OpdLoss(kind="forward_kl"))
+    with pytest.raises(ValueError, match="`prepared.rewards`"):
+        opd_update(optimizer, student, prepared, OpdLoss(task_reward_weight=1.0))
+    with pytest.raises(ValueError, match="`reference`"):
+        opd_update(optimizer, student, prepared, OpdLoss(kl_reference_weight=1.0))
+    with pytest.raises(ValueError, match="`rewards`"):
+        prepare_batch(trace, teacher, tokenizer, rewards=[1.0])
+
+
+def test_top_k_larger_than_the_teacher_vocabulary_is_refused(setup):
+    info = setup[1].info()
+    with pytest.raises(ValueError, match="`loss.teacher_top_k`"):
+        teacher_top_k(OpdLoss(kind="jsd", teacher_top_k=info.vocab_size + 1), info)

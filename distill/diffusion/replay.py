@@ -14,6 +14,8 @@ excluded.
   runs the packed row with the dense mask (reference for the packing itself); the default
   attends each chunk to the cached clean keys (block-sparse), optionally in groups of
   ``chunks_per_forward`` chunks to bound memory.
+- :func:`replay_completion`: the same in completion space (:class:`CompletionReplay`),
+  optionally with the full sampling distributions for the full-vocabulary / top-k losses.
 
 Log-probs are gathered with a chunked log-sum-exp over the vocabulary
 (:func:`~distill.models.logprobs.gathered_log_probs`), never as ``[B, L, V]`` logits.
@@ -21,6 +23,8 @@ Both paths return ``[B, L]`` float32 with zeros outside the completion.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +201,32 @@ def _completion_slots(trace: Trace) -> tuple[jax.Array, jax.Array]:
     return slots, jnp.take_along_axis(trace.completion_mask, slots, axis=1)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CompletionReplay:
+    """Replay in completion space (``N = settings.completion_length`` slots per row, in
+    order): ``slots`` ``[B, N]`` int32 (row slot of each completion position), ``present``
+    ``[B, N]`` bool, ``logps`` ``[B, N]`` float32 (each action's log-prob, 0 where not
+    present) and, when asked for, ``log_probs`` ``[B, N, V]`` float32: the full sampling
+    distribution (rollout temperature, mask id excluded) each action was drawn from."""
+
+    slots: jax.Array
+    present: jax.Array
+    logps: jax.Array
+    log_probs: jax.Array | None = None
+
+    def scatter(self, values: jax.Array, length: int) -> jax.Array:
+        """``[B, N]`` completion values -> ``[B, length]`` row layout (0 elsewhere)."""
+        rows = jnp.arange(values.shape[0])[:, None]
+        zeros = jnp.zeros((values.shape[0], length), values.dtype)
+        return zeros.at[rows, self.slots].add(jnp.where(self.present, values, 0))
+
+    def gather(self, values: jax.Array) -> jax.Array:
+        """``[B, L, ...]`` row layout -> ``[B, N, ...]`` completion values."""
+        index = self.slots.reshape(self.slots.shape + (1,) * (values.ndim - 2))
+        return jnp.take_along_axis(values, index, axis=1)
+
+
 def replay_packed(
     model: Transformer,
     trace: Trace,
@@ -206,12 +236,36 @@ def replay_packed(
     chunks_per_forward: int | None = None,
     vocab_chunk: int | None = 4096,
 ) -> jax.Array:
-    """Fast exact replay over packed canvas chunks (one per row and step).
+    """Fast exact replay over packed canvas chunks (one per row and step): ``[B, L]``.
 
     ``num_chunks`` (static) must be >= every row's step count (:func:`num_steps_bucket`).
     ``chunks_per_forward`` (block-sparse path only) bounds how many chunks are attended at
     once; it must divide ``num_chunks``.
     """
+    replayed = replay_completion(
+        model,
+        trace,
+        num_chunks=num_chunks,
+        dense=dense,
+        chunks_per_forward=chunks_per_forward,
+        vocab_chunk=vocab_chunk,
+    )
+    return replayed.scatter(replayed.logps, trace.tokens.shape[1])
+
+
+def replay_completion(
+    model: Transformer,
+    trace: Trace,
+    *,
+    num_chunks: int,
+    distributions: bool = False,
+    dense: bool = False,
+    chunks_per_forward: int | None = None,
+    vocab_chunk: int | None = 4096,
+) -> CompletionReplay:
+    """:func:`replay_packed` in completion space; ``distributions=True`` also returns the
+    full ``[B, N, V]`` sampling distributions (for the full-vocabulary and top-k losses:
+    memory grows with the vocabulary, which the log-prob path never materializes)."""
     if chunks_per_forward is not None and (
         chunks_per_forward < 1 or num_chunks % chunks_per_forward
     ):
@@ -260,8 +314,10 @@ def replay_packed(
     source_index = jnp.where(in_block, length + step * size + source % size, source)
     picked = jnp.take_along_axis(hidden, jnp.maximum(source_index, 0)[..., None], axis=1)
     targets = jnp.take_along_axis(trace.tokens, slots, axis=1)
-    logp = _log_probs(model, picked, targets, trace, vocab_chunk)
-    rows = jnp.arange(batch)[:, None]
-    return (
-        jnp.zeros((batch, length), jnp.float32).at[rows, slots].add(jnp.where(present, logp, 0.0))
-    )
+    logp = jnp.where(present, _log_probs(model, picked, targets, trace, vocab_chunk), 0.0)
+    log_probs = None
+    if distributions:
+        logits = model.logits(picked) / trace.settings.temperature
+        logits = logits.at[..., trace.settings.mask_id].set(-jnp.inf)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return CompletionReplay(slots=slots, present=present, logps=logp, log_probs=log_probs)
