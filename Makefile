@@ -37,12 +37,13 @@ bench: setup
 	@for script in bench/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 # Regenerate Python from protos/*.proto into services/proto/ (a test checks it is current).
+# `-Iservices/proto=protos` names each file services/proto/<name>.proto, so the generated
+# *_pb2_grpc.py imports `from services.proto import <name>_pb2` (a package import, no sed).
+# PROTO_OUT is the output root; tests regenerate into a temporary one to compare.
+PROTO_OUT ?= .
 proto: setup
-	@if ls protos/*.proto >/dev/null 2>&1; then \
-	  mkdir -p services/proto && \
-	  $(PY) -m grpc_tools.protoc -Iprotos --python_out=services/proto \
-	    --grpc_python_out=services/proto --pyi_out=services/proto protos/*.proto; \
-	else echo "no .proto files yet"; fi
+	$(PY) -m grpc_tools.protoc -Iservices/proto=protos --python_out=$(PROTO_OUT) \
+	  --grpc_python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) protos/*.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

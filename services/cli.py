@@ -4,16 +4,31 @@
     distill train-teacher CONFIG --run-dir DIR [--set a.b=value ...]
     distill warmup-student CONFIG --run-dir DIR [--teacher-run DIR] [--set a.b=value ...]
     distill score --hf-checkpoint DIR TEXT [--top-k K]
+    distill score --server ADDR [--token-file F] (--hf-checkpoint DIR TEXT | --ids "ID ...")
+                  [--top-k K]
+    distill serve teacher (--hf-checkpoint DIR | CONFIG --teacher-run DIR [--set a.b=value ...])
+                  [--address HOST:PORT] [--token-file F] [--tls-cert F --tls-key F]
+                  [--max-batch-sequences N] [--max-batch-tokens N] [--max-delay-ms MS]
+                  [--max-request-sequences N] [--max-request-tokens N] [--max-queue-requests N]
 
 CONFIG is a job YAML (see ``deploy/configs/``); ``--set`` applies dotted overrides. Runs
 resume from their newest checkpoint and refuse a changed setup (the run contract). Errors in
-the configuration or the run contract are printed as one line per field, exit status 2.
+the configuration or the run contract are printed as one line per field, exit status 2; a
+refused call to a server is printed with the server's reason, exit status 1.
+
+``score --server`` scores through a running teacher server; with ``--hf-checkpoint`` only the
+checkpoint's tokenizer is read (and must match the server's), with ``--ids`` the text is
+whitespace-separated token ids. ``serve teacher`` prints ``serving teacher on HOST:PORT``
+once it accepts calls and stops gracefully on SIGINT / SIGTERM. Tokens come from
+``--token-file`` or the ``DISTILL_TOKEN`` environment variable, never the command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from distill.checkpoint import ContractMismatch
 from distill.config import ConfigError, JobConfig, load_config
@@ -42,6 +57,13 @@ def _warmup_student(args: argparse.Namespace) -> None:
 
 
 def _score(args: argparse.Namespace) -> None:
+    if args.server is not None:
+        _score_remote(args)
+        return
+    if args.ids:
+        raise ConfigError("`--ids` must come with `--server`; received no `--server`")
+    if args.hf_checkpoint is None:
+        raise ConfigError("`--hf-checkpoint` or `--server` must be given; received neither")
     from distill.models.hf import load_teacher
     from distill.teacher import InProcessTeacher
 
@@ -49,13 +71,58 @@ def _score(args: argparse.Namespace) -> None:
     tokenizer = checkpoint.tokenizer
     ids = [tokenizer.special.bos_id, *tokenizer.encode(args.text)]
     scored = InProcessTeacher(model, tokenizer).score([ids], top_k=args.top_k)[0]
+    _print_scores(ids, scored, tokenizer)
+
+
+def _score_remote(args: argparse.Namespace) -> None:
+    from services.auth import read_token
+    from services.client import RemoteTeacher
+
+    if (args.hf_checkpoint is None) == (not args.ids):
+        raise ConfigError(
+            "`--hf-checkpoint` (for its tokenizer) or `--ids` must be given with `--server`, "
+            f"not both; received {'both' if args.ids else 'neither'}"
+        )
+    with RemoteTeacher(args.server, token=read_token(args.token_file)) as teacher:
+        info = teacher.info()
+        tokenizer = None
+        if args.ids:
+            try:
+                ids = [int(token) for token in args.text.replace(",", " ").split()]
+            except ValueError:
+                raise ConfigError(
+                    f"`text` must be whitespace-separated token ids with --ids; received "
+                    f"{args.text!r}"
+                ) from None
+        else:
+            from distill.models.hf import load_tokenizer
+
+            tokenizer = load_tokenizer(args.hf_checkpoint)
+            if tokenizer.content_hash() != info.tokenizer_hash:
+                raise ConfigError(
+                    f"`--hf-checkpoint` tokenizer must be the served teacher's "
+                    f"({info.tokenizer_hash[:12]}...); received {tokenizer.content_hash()[:12]}..."
+                )
+            ids = [info.bos_id, *tokenizer.encode(args.text)]
+        scored = teacher.score([ids], top_k=args.top_k)[0]
+    _print_scores(ids, scored, tokenizer)
+
+
+def _print_scores(ids, scored, tokenizer) -> None:
+    """One line per scored position (token, log-prob, top-k), then the total. Without a
+    tokenizer tokens are shown as ids."""
+
+    def show(token: int) -> str:
+        if tokenizer is None:
+            return str(int(token))
+        return repr(tokenizer.decode([int(token)], skip_special=False))
+
     print(f"{'position':>8}  {'token':>12}  {'log-prob':>9}")
     for position, (token, log_prob) in enumerate(zip(ids[1:], scored.log_probs, strict=True)):
-        text = tokenizer.decode([token], skip_special=False)
-        line = f"{position + 1:>8}  {text!r:>12}  {log_prob:9.4f}"
+        line = f"{position + 1:>8}  {show(token):>12}  {log_prob:9.4f}"
         if scored.top_ids is not None:
             top = ", ".join(
-                f"{tokenizer.decode([int(i)], skip_special=False)!r}:{lp:.2f}"
+                f"{show(i)}:{lp:.2f}"
                 for i, lp in zip(
                     scored.top_ids[position], scored.top_log_probs[position], strict=True
                 )
@@ -65,10 +132,89 @@ def _score(args: argparse.Namespace) -> None:
     print(f"total {float(scored.log_probs.sum()):.4f} nats over {len(scored.log_probs)} tokens")
 
 
+def _served_teacher(args: argparse.Namespace):
+    """The in-process teacher ``serve teacher`` serves: an HF checkpoint or a trained run."""
+    from distill.teacher import InProcessTeacher
+
+    if (args.hf_checkpoint is None) == (args.config is None):
+        raise ConfigError(
+            "`--hf-checkpoint` or CONFIG with `--teacher-run` must be given, not both; "
+            f"received {'both' if args.hf_checkpoint else 'neither'}"
+        )
+    if args.config is not None and args.teacher_run is None:
+        raise ConfigError("`--teacher-run` must be given with CONFIG; received none")
+    if args.hf_checkpoint is not None:
+        from distill.models.hf import load_teacher
+
+        model, checkpoint = load_teacher(args.hf_checkpoint)
+        return InProcessTeacher(model, checkpoint.tokenizer)
+    from distill import pipeline
+
+    job = _job(args)
+    return InProcessTeacher(
+        pipeline.load_teacher_run(job, args.teacher_run), pipeline.job_tokenizer(job)
+    )
+
+
+def _serve_teacher(args: argparse.Namespace) -> None:
+    from services.auth import read_token
+    from services.teacher import TeacherServerConfig, serve_teacher
+
+    config = TeacherServerConfig(
+        address=args.address,
+        token=read_token(args.token_file),
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        max_batch_sequences=args.max_batch_sequences,
+        max_batch_tokens=args.max_batch_tokens,
+        max_delay_ms=args.max_delay_ms,
+        max_request_sequences=args.max_request_sequences,
+        max_request_tokens=args.max_request_tokens,
+        max_queue_requests=args.max_queue_requests,
+    )
+    teacher = _served_teacher(args)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        server = serve_teacher(teacher, config)
+        info = server.info
+        print(
+            f"teacher: vocab {info.vocab_size}, max_length {info.max_length}, model_hash "
+            f"{info.model_hash[:12]}, tokenizer_hash {info.tokenizer_hash[:12]}; auth "
+            f"{'bearer token' if config.token else 'none'}; tls "
+            f"{'on' if config.tls_cert_file else 'off'}"
+        )
+        # The line scripts wait for (the port is the bound one when 0 was asked for).
+        print(f"serving teacher on {server.address}", flush=True)
+        while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
+            pass
+        print("stopping (graceful)", flush=True)
+        server.stop()
+        stats = server.stats()
+        print(
+            f"stopped: {stats.requests} requests in {stats.batches} batches "
+            f"({stats.sequences} sequences)",
+            flush=True,
+        )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _demo(args: argparse.Namespace) -> None:
     from distill import demo
 
     demo.main(args.demo_args)
+
+
+def _teacher_server_defaults() -> dict[str, object]:
+    import dataclasses
+
+    from services.teacher import TeacherServerConfig
+
+    return {field.name: field.default for field in dataclasses.fields(TeacherServerConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,21 +238,60 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--teacher-run", help="a finished train-teacher run dir")
         command.set_defaults(run=handler)
 
-    score = commands.add_parser("score", help="teacher log-probs of a text (HF checkpoint)")
-    score.add_argument("text")
-    score.add_argument("--hf-checkpoint", required=True, help="Llama / Qwen2 checkpoint dir")
+    score = commands.add_parser(
+        "score", help="teacher log-probs of a text (HF checkpoint, or through a server)"
+    )
+    score.add_argument("text", help="text to score (token ids with --ids)")
+    score.add_argument(
+        "--hf-checkpoint",
+        help="Llama / Qwen2 checkpoint dir (with --server: only its tokenizer is read)",
+    )
+    score.add_argument("--server", metavar="HOST:PORT", help="score through a teacher server")
+    score.add_argument("--token-file", help="bearer token for --server (else $DISTILL_TOKEN)")
+    score.add_argument("--ids", action="store_true", help="TEXT is token ids (with --server)")
     score.add_argument("--top-k", type=int, default=None)
     score.set_defaults(run=_score)
+
+    serve = commands.add_parser("serve", help="run a gRPC server until SIGINT / SIGTERM")
+    servers = serve.add_subparsers(dest="server", required=True)
+    teacher = servers.add_parser("teacher", help="the teacher scoring server")
+    teacher.add_argument("config", nargs="?", help="job YAML (with --teacher-run)")
+    teacher.add_argument("--teacher-run", help="a finished train-teacher run dir")
+    teacher.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    teacher.add_argument("--hf-checkpoint", help="Llama / Qwen2 checkpoint dir")
+    teacher.add_argument("--address", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
+    teacher.add_argument("--token-file", help="bearer token callers must send")
+    teacher.add_argument("--tls-cert", help="PEM server certificate chain (with --tls-key)")
+    teacher.add_argument("--tls-key", help="PEM server private key (with --tls-cert)")
+    defaults = _teacher_server_defaults()
+    for flag, kind in (
+        ("max_batch_sequences", int),
+        ("max_batch_tokens", int),
+        ("max_delay_ms", float),
+        ("max_request_sequences", int),
+        ("max_request_tokens", int),
+        ("max_queue_requests", int),
+    ):
+        teacher.add_argument(
+            f"--{flag.replace('_', '-')}", type=kind, default=defaults[flag], metavar="N"
+        )
+    teacher.set_defaults(run=_serve_teacher)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from services.auth import TokenError
+    from services.client import TeacherServerError
+
     try:
         args.run(args)
-    except (ConfigError, ContractMismatch) as error:
+    except (ConfigError, ContractMismatch, TokenError) as error:
         print(f"distill {args.command}: {error}", file=sys.stderr)
         return 2
+    except TeacherServerError as error:
+        print(f"distill {args.command}: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -247,6 +247,27 @@ def read_hf_config(
     )
 
 
+def load_tokenizer(
+    path: str | os.PathLike[str],
+    *,
+    mask_token: str | None = None,
+    pad_token: str | None = None,
+    bos_token: str | None = None,
+    stop_tokens: Sequence[str] | None = None,
+) -> HFTokenizer:
+    """The teacher's tokenizer of the checkpoint in ``path`` without reading its weights (a
+    client of a teacher server needs only this). Arguments as in :func:`load_teacher`."""
+    directory = _directory(path)
+    hf = _read_json(directory / "config.json", required=True)
+    _, config, _ = _model_config(
+        hf, directory / "config.json", param_dtype=None, dtype=None, max_length=None
+    )
+    tokens = dict(
+        mask_token=mask_token, pad_token=pad_token, bos_token=bos_token, stop_tokens=stop_tokens
+    )
+    return _tokenizer(directory, hf, config.vocab_size, tokens)[0]
+
+
 # ---- config.json -----------------------------------------------------------------------------
 
 

@@ -1,0 +1,197 @@
+"""Benchmark: teacher scoring served over gRPC (loopback, dynamic batching) vs in process.
+
+One causal teacher, one workload: ``--requests`` score requests of ``--seqs-per-request``
+random sequences of ``--seq-len`` ids each (``--top-k`` 0: log-probs only). Three ways to
+score it, all giving the same log-probs:
+
+- served: ``--clients`` threads, each with its own :class:`~services.client.RemoteTeacher`,
+  send the requests concurrently to a :func:`~services.teacher.serve_teacher` server on
+  127.0.0.1 (no token, no TLS); its batcher groups them into teacher calls of up to
+  ``--max-batch-sequences`` sequences. This is what learners talking to a teacher server pay
+  (serialization, loopback transport, queueing) and gain (batching across callers).
+- in-process, per request: ``InProcessTeacher.score`` called once per request, one after
+  another -- what each caller would do holding its own copy of the teacher.
+- in-process, batched: the same sequences in calls of ``--max-batch-sequences`` -- the
+  best a single caller holding all the work at once can do (the server's ceiling).
+
+Before timing, the served log-probs are checked against the in-process ones, and every
+shape each path uses is compiled (warm-up). Timing alternates the paths in rounds
+(A, B, C, A, ...) so machine noise hits all alike; the report gives per path the median
+seconds per round and throughput in scored tokens per second, the served/in-process ratios
+measured in this same run, and how many requests the batcher put in a batch on average.
+
+Run: ``make bench`` or ``.venv/bin/python bench/bench_teacher_server.py [--clients 16 ...]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `services` from a checkout
+
+from distill.config import ModelConfig  # noqa: E402
+from distill.models.transformer import Transformer  # noqa: E402
+from distill.teacher import InProcessTeacher  # noqa: E402
+from distill.tokenizer import CharTokenizer  # noqa: E402
+from services.client import RemoteTeacher  # noqa: E402
+from services.teacher import TeacherServerConfig, serve_teacher  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64, help="requests per round")
+    parser.add_argument("--seqs-per-request", type=int, default=1, help="sequences per request")
+    parser.add_argument("--seq-len", type=int, default=128, help="ids per sequence")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent client threads")
+    parser.add_argument("--max-batch-sequences", type=int, default=32, help="server batch cap")
+    parser.add_argument("--max-delay-ms", type=float, default=2.0, help="server batching wait")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k per position (0: none)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    args = parser.parse_args()
+    if min(args.requests, args.seqs_per_request, args.clients, args.rounds) < 1:
+        parser.error("--requests, --seqs-per-request, --clients and --rounds must be >= 1")
+    if not 2 <= args.seq_len <= 256:
+        parser.error("--seq-len must be in [2, 256] (the model's max_length)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    # 252 characters + 4 specials: a 256-id vocabulary, so the output head is not trivial.
+    tokenizer = CharTokenizer("".join(chr(0x100 + i) for i in range(252)))
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        d_ff=1024,
+        attention_type="causal",
+        max_length=256,
+    )
+    teacher = InProcessTeacher(Transformer(config, rngs=nnx.Rngs(0)), tokenizer)
+    top_k = args.top_k or None
+    rng = np.random.default_rng(0)
+    requests = [
+        rng.integers(0, config.vocab_size, (args.seqs_per_request, args.seq_len)).tolist()
+        for _ in range(args.requests)
+    ]
+    flat = [sequence for request in requests for sequence in request]
+    scored_tokens = len(flat) * (args.seq_len - 1)
+    cap = args.max_batch_sequences
+    print(f"jax {jax.__version__}; device {jax.devices()[0]} (backend {jax.default_backend()})")
+    print(
+        f"model: d_model={config.d_model} n_layers={config.n_layers} n_heads={config.n_heads} "
+        f"n_kv_heads={config.n_kv_heads} d_ff={config.d_ff} vocab={config.vocab_size} "
+        f"dtype={config.dtype}"
+    )
+    print(
+        f"workload: {args.requests} requests x {args.seqs_per_request} sequences x "
+        f"{args.seq_len} ids, top_k={args.top_k}; served to {args.clients} concurrent clients, "
+        f"max_batch_sequences={cap}, max_delay_ms={args.max_delay_ms}; rounds={args.rounds}"
+    )
+
+    server_config = TeacherServerConfig(
+        max_batch_sequences=cap,
+        max_batch_tokens=cap * args.seq_len,
+        max_delay_ms=args.max_delay_ms,
+        max_workers=max(32, args.clients),
+        max_concurrent_rpcs=max(256, args.clients),
+    )
+    server = serve_teacher(teacher, server_config)
+    clients = [RemoteTeacher(server.address) for _ in range(args.clients)]
+    pool = ThreadPoolExecutor(max_workers=args.clients)
+
+    def served() -> list:
+        futures = [
+            pool.submit(clients[index % args.clients].score, request, top_k=top_k)
+            for index, request in enumerate(requests)
+        ]
+        return [scored for future in futures for scored in future.result()]
+
+    def per_request() -> list:
+        return [scored for request in requests for scored in teacher.score(request, top_k=top_k)]
+
+    def batched() -> list:
+        return [
+            scored
+            for start in range(0, len(flat), cap)
+            for scored in teacher.score(flat[start : start + cap], top_k=top_k)
+        ]
+
+    # Warm-up: every row bucket the server may use (powers of two up to the cap), then the
+    # check that all three paths agree.
+    rows = 1
+    while True:
+        teacher.score(flat[: min(rows, cap)] * 1, top_k=top_k)
+        if rows >= cap:
+            break
+        rows *= 2
+    reference = per_request()
+    for name, path in (("served", served), ("in-process batched", batched)):
+        got = path()
+        diff = max(
+            float(np.max(np.abs(a.log_probs - b.log_probs)))
+            for a, b in zip(got, reference, strict=True)
+        )
+        assert diff <= 1e-4, f"{name} log-probs differ from in-process by {diff}"
+        print(f"check: {name} log-probs agree with in-process per request (max |diff| {diff:.1e})")
+
+    paths = {"served": served, "per_request": per_request, "batched": batched}
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
+    before = server.stats()
+    for _ in range(args.rounds):
+        for name, path in paths.items():
+            start = time.perf_counter()
+            path()
+            seconds[name].append(time.perf_counter() - start)
+    after = server.stats()
+    server.stop()
+    pool.shutdown()
+    for client in clients:
+        client.close()
+
+    throughput = {}
+    labels = {
+        "served": f"served (gRPC, {args.clients} clients)",
+        "per_request": "in-process, one call per request",
+        "batched": f"in-process, batched by {cap}",
+    }
+    for name, label in labels.items():
+        median = statistics.median(seconds[name])
+        throughput[name] = scored_tokens / median
+        print(
+            f"{label:34s} median {median * 1e3:9.1f} ms/round "
+            f"(rounds {min(seconds[name]) * 1e3:.1f}-{max(seconds[name]) * 1e3:.1f}), "
+            f"{throughput[name]:10.0f} tokens/s"
+        )
+    batches = after.batches - before.batches
+    print(
+        f"server batching: {(after.requests - before.requests) / batches:.1f} requests and "
+        f"{(after.sequences - before.sequences) / batches:.1f} sequences per teacher call "
+        f"({batches} calls in {args.rounds} rounds)"
+    )
+    print(
+        f"ratio served / in-process per request: "
+        f"{throughput['served'] / throughput['per_request']:.2f}x"
+    )
+    print(
+        f"ratio served / in-process batched:     {throughput['served'] / throughput['batched']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""What every gRPC server of the project shares: address, auth, TLS, limits, health,
+reflection, graceful stop.
+
+:func:`start_server` builds a ``grpc.server`` from a :class:`ServerConfig`, lets the caller
+register its servicers, adds the standard health service (``grpc.health.v1``, every named
+service reported ``SERVING`` once started) and server reflection, binds, starts, and returns
+a :class:`RunningServer` handle with the bound ``port`` and a ``stop()`` that first reports
+``NOT_SERVING``, then lets in-flight calls finish within the grace period.
+
+Defaults are safe for a single machine: loopback address, no TLS. A server reachable from
+other hosts must have a bearer token (see :mod:`services.auth`); TLS is opt-in with a
+certificate and key file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from distill.config import ConfigError
+from services.auth import BearerTokenInterceptor
+
+_MIB = 1 << 20
+
+
+def config_error(field: str, must: str, received: object) -> ConfigError:
+    """A :class:`ConfigError` reading "`field` must ...; received ..."."""
+    return ConfigError(f"`{field}` must {must}; received {received!r}")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 hosts in brackets) as ``(host, port)``; raises naming `address`."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise config_error(
+            "address", "be host:port with a port in [0, 65535] (0: any free port)", address
+        )
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Transport settings every server shares.
+
+    ``address``: ``host:port`` to bind; port 0 picks a free one (see ``RunningServer.port``).
+    ``token``: bearer token callers must send; required unless ``address`` is loopback.
+    ``tls_cert_file`` / ``tls_key_file``: PEM server certificate chain and private key; both
+    or neither. ``max_message_bytes``: largest request and response message. ``max_workers``:
+    handler threads (each waiting call holds one). ``max_concurrent_rpcs``: calls beyond
+    this are refused with ``RESOURCE_EXHAUSTED`` by gRPC itself. ``grace_s``: how long
+    ``stop()`` lets in-flight calls finish.
+    """
+
+    address: str = "127.0.0.1:0"
+    token: str | None = dataclasses.field(default=None, repr=False)
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    max_message_bytes: int = 64 * _MIB
+    max_workers: int = 32
+    max_concurrent_rpcs: int = 256
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        host, _ = split_address(self.address)
+        if self.token is not None and not self.token:
+            raise config_error("token", "be non-empty or None", "")
+        if self.token is None and not is_loopback(host):
+            raise config_error(
+                "token",
+                f"be set when `address` is not loopback ({self.address}): anyone who can reach "
+                "it could use the server",
+                None,
+            )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise config_error(
+                "tls_key_file" if self.tls_key_file is None else "tls_cert_file",
+                "be given together with the other TLS file",
+                None,
+            )
+        for field in ("max_message_bytes", "max_workers", "max_concurrent_rpcs"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise config_error(field, "be an int >= 1", value)
+        if self.max_concurrent_rpcs < self.max_workers:
+            raise config_error(
+                "max_concurrent_rpcs",
+                f"be >= max_workers={self.max_workers} (threads beyond it would idle)",
+                self.max_concurrent_rpcs,
+            )
+        if not self.grace_s >= 0:
+            raise config_error("grace_s", "be >= 0", self.grace_s)
+
+    @property
+    def channel_options(self) -> list[tuple[str, int]]:
+        """Message-size options; clients should use the same ones."""
+        return [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        ]
+
+
+@dataclasses.dataclass
+class RunningServer:
+    """A started server. ``address`` is the bound ``host:port`` (the real port when 0 was
+    asked for). ``stop()`` is idempotent and returns once the server has stopped and
+    ``on_stop`` (e.g. a batching worker) has run."""
+
+    server: grpc.Server
+    health: health.HealthServicer
+    host: str
+    port: int
+    grace_s: float
+    on_stop: Callable[[], None] | None = None
+    _stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, grace_s: float | None = None) -> None:
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            # Health first, so balancers stop sending before in-flight calls drain.
+            self.health.enter_graceful_shutdown()
+            self.server.stop(self.grace_s if grace_s is None else grace_s).wait()
+            if self.on_stop is not None:
+                self.on_stop()
+            self._stopped.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until stopped (by :meth:`stop` from another thread); False on timeout."""
+        return self._stopped.wait(timeout_s)
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _read_pem(path: str, field: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise config_error(field, f"be a readable PEM file ({error.strerror})", path) from error
+
+
+def start_server(
+    config: ServerConfig,
+    register: Callable[[grpc.Server], None],
+    service_names: Sequence[str],
+    *,
+    on_stop: Callable[[], None] | None = None,
+) -> RunningServer:
+    """Build, bind and start a server; ``register(server)`` adds the caller's servicers and
+    ``service_names`` (full names, e.g. ``distill.v1.TeacherService``) are reported by health
+    and reflection. Raises :class:`ConfigError` naming `address` when it cannot be bound."""
+    credentials = None
+    if config.tls_cert_file is not None:
+        key = _read_pem(config.tls_key_file, "tls_key_file")
+        cert = _read_pem(config.tls_cert_file, "tls_cert_file")
+        credentials = grpc.ssl_server_credentials([(key, cert)])
+    interceptors = [] if config.token is None else [BearerTokenInterceptor(config.token)]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="grpc"),
+        interceptors=interceptors,
+        # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
+        options=[*config.channel_options, ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection(
+        (*service_names, health_name, reflection.SERVICE_NAME), server
+    )
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(config.address)
+        else:
+            port = server.add_secure_port(config.address, credentials)
+    except RuntimeError as error:  # grpc raises RuntimeError when the bind fails
+        raise config_error("address", f"be free to bind ({error})", config.address) from error
+    server.start()
+    for name in ("", *service_names):  # "" is the whole server, by gRPC convention
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    host, _ = split_address(config.address)
+    return RunningServer(server, health_servicer, host, port, config.grace_s, on_stop)

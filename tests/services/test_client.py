@@ -1,0 +1,234 @@
+"""RemoteTeacher and the server plumbing against a fake teacher (no model, no JAX compiles):
+retries on UNAVAILABLE only, a full queue, teacher failures, deadlines, TLS."""
+
+import datetime
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from distill.teacher import ScoredSequence, TeacherInfo
+from services.client import RemoteTeacher, TeacherServerError
+from services.proto import teacher_pb2, teacher_pb2_grpc
+from services.server import ServerConfig, start_server
+from services.teacher import SERVICE_NAME, TeacherServerConfig, serve_teacher
+from services.teacher_messages import info_to_proto
+
+WAIT_S = 60
+INFO = TeacherInfo(
+    vocab_size=10,
+    pad_id=0,
+    bos_id=1,
+    mask_id=9,
+    stop_ids=(2,),
+    tokenizer_hash="t" * 64,
+    model_hash="m" * 64,
+    max_length=32,
+)
+
+
+class FakeTeacher:
+    """Log-prob of token t is -t; calls can be held at a gate; ``[7, 7]`` makes it raise."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.calls = 0
+
+    def info(self):
+        return INFO
+
+    def score(self, sequences, *, top_k=None):
+        self.calls += 1
+        self.entered.set()
+        assert self.gate.wait(WAIT_S)
+        if any(list(s) == [7, 7] for s in sequences):
+            raise RuntimeError("out of teacher memory")
+        out = []
+        for s in sequences:
+            log_probs = -np.asarray(s[1:], np.float32)
+            top = (
+                None
+                if top_k is None
+                else np.tile(np.arange(top_k, dtype=np.int32), (len(s) - 1, 1))
+            )
+            out.append(
+                ScoredSequence(log_probs, top, None if top is None else -top.astype(np.float32))
+            )
+        return out
+
+
+@pytest.fixture
+def fake():
+    return FakeTeacher()
+
+
+def test_scores_and_top_k_round_trip_exactly(fake):
+    with serve_teacher(fake) as server, RemoteTeacher(server.address) as remote:
+        assert remote.info() == INFO
+        (scored,) = remote.score([[1, 3, 5]], top_k=2)
+        np.testing.assert_array_equal(scored.log_probs, [-3, -5])
+        np.testing.assert_array_equal(scored.top_ids, [[0, 1], [0, 1]])
+        np.testing.assert_array_equal(scored.top_log_probs, [[0, -1], [0, -1]])
+
+
+class FlakyInfo(teacher_pb2_grpc.TeacherServiceServicer):
+    """Answers Info with ``code`` for the first ``failures`` calls, then succeeds."""
+
+    def __init__(self, failures, code=grpc.StatusCode.UNAVAILABLE):
+        self.failures, self.code, self.calls = failures, code, 0
+
+    def Info(self, request, context):
+        self.calls += 1
+        if self.calls <= self.failures:
+            context.abort(self.code, "`teacher` must be loaded; received a call while loading")
+        return info_to_proto(INFO)
+
+
+def flaky_server(servicer):
+    return start_server(
+        ServerConfig(),
+        lambda server: teacher_pb2_grpc.add_TeacherServiceServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+    )
+
+
+def test_unavailable_is_retried_with_backoff_until_it_succeeds():
+    servicer = FlakyInfo(failures=2)
+    with flaky_server(servicer) as server:
+        remote = RemoteTeacher(server.address, retries=2, backoff_s=0.01)
+        assert remote.info() == INFO and servicer.calls == 3
+
+
+def test_unavailable_past_the_retries_raises_with_the_servers_reason():
+    servicer = FlakyInfo(failures=5)
+    with flaky_server(servicer) as server:
+        remote = RemoteTeacher(server.address, retries=1, backoff_s=0.01)
+        with pytest.raises(TeacherServerError, match="^`teacher` must be loaded.*2 attempts") as e:
+            remote.info()
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and servicer.calls == 2
+
+
+def test_other_statuses_are_not_retried():
+    servicer = FlakyInfo(failures=5, code=grpc.StatusCode.FAILED_PRECONDITION)
+    with flaky_server(servicer) as server:
+        with pytest.raises(TeacherServerError, match="FAILED_PRECONDITION"):
+            RemoteTeacher(server.address, retries=3, backoff_s=0.01).info()
+        assert servicer.calls == 1
+
+
+def test_no_server_at_the_address_is_unavailable_after_the_retries():
+    with flaky_server(FlakyInfo(0)) as server:
+        address = server.address
+    with pytest.raises(TeacherServerError) as caught:
+        RemoteTeacher(address, retries=1, backoff_s=0.01, timeout_s=10).info()
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_full_queue_is_resource_exhausted_and_the_server_recovers(fake):
+    config = TeacherServerConfig(max_queue_requests=1, max_delay_ms=0.0)
+    with serve_teacher(fake, config) as server:
+        fake.gate.clear()
+        clients = [RemoteTeacher(server.address, timeout_s=WAIT_S) for _ in range(3)]
+        results = {}
+        held = threading.Thread(target=lambda: results.update(a=clients[0].score([[1, 2]])))
+        held.start()
+        assert fake.entered.wait(WAIT_S)  # first request is inside the teacher
+        queued = threading.Thread(target=lambda: results.update(b=clients[1].score([[1, 3]])))
+        queued.start()
+        for _ in range(WAIT_S * 20):  # until the second request waits in the queue
+            if server.stats().requests == 2:
+                break
+            threading.Event().wait(0.05)
+        with pytest.raises(TeacherServerError) as caught:
+            clients[2].score([[1, 4]])
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert caught.value.reason.startswith("`queue` must have room for the request")
+        fake.gate.set()
+        held.join(WAIT_S), queued.join(WAIT_S)
+        assert results["a"][0].log_probs.tolist() == [-2] and results["b"][
+            0
+        ].log_probs.tolist() == [-3]
+        assert clients[2].score([[1, 4]])[0].log_probs.tolist() == [-4]
+
+
+def test_a_failing_teacher_is_internal_with_its_reason_and_the_server_keeps_serving(fake):
+    with serve_teacher(fake) as server, RemoteTeacher(server.address) as remote:
+        with pytest.raises(TeacherServerError, match="RuntimeError: out of teacher memory") as e:
+            remote.score([[7, 7]])
+        assert e.value.code == grpc.StatusCode.INTERNAL
+        assert remote.score([[1, 5]])[0].log_probs.tolist() == [-5]
+
+
+def test_a_deadline_that_passes_while_queued_is_deadline_exceeded(fake):
+    with serve_teacher(fake) as server:
+        fake.gate.clear()
+        remote = RemoteTeacher(server.address, timeout_s=0.2, retries=0)
+        with pytest.raises(TeacherServerError) as caught:
+            remote.score([[1, 2]])
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        fake.gate.set()
+        assert RemoteTeacher(server.address).score([[1, 6]])[0].log_probs.tolist() == [-6]
+
+
+def test_response_size_over_the_message_limit_is_refused_before_scoring(fake):
+    config = TeacherServerConfig(max_message_bytes=1000)
+    with serve_teacher(fake, config) as server, RemoteTeacher(server.address) as remote:
+        with pytest.raises(TeacherServerError, match="^`top_k` must keep the response within"):
+            remote.score([[1] * 30], top_k=10)
+        assert fake.calls == 0
+
+
+def self_signed(directory):
+    """A throwaway certificate for ``localhost`` and its key, as PEM files."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_file), str(key_file)
+
+
+def test_tls_with_a_token(fake, tmp_path):
+    cert, key = self_signed(tmp_path)
+    config = TeacherServerConfig(token="tok", tls_cert_file=cert, tls_key_file=key)
+    with serve_teacher(fake, config) as server:
+        secure = RemoteTeacher(
+            server.address, token="tok", tls_root_cert_file=cert, tls_server_name="localhost"
+        )
+        assert secure.score([[1, 8]])[0].log_probs.tolist() == [-8]
+        with pytest.raises(TeacherServerError) as caught:  # plaintext cannot talk to it
+            RemoteTeacher(server.address, token="tok", retries=0, timeout_s=10).info()
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_score_request_message_is_what_the_contract_says():
+    request = teacher_pb2.ScoreRequest(sequences=[teacher_pb2.TokenSequence(ids=[1, 2, 3])])
+    field = request.sequences[0].DESCRIPTOR.fields_by_name["ids"]
+    assert field.is_packed and request.top_k == 0
