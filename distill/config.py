@@ -30,7 +30,7 @@ Confidence = Literal["max_prob", "sampled_prob"]
 ScheduleStrategy = Literal["confidence", "random", "entropy", "margin"]
 ObjectiveKind = Literal["block_ce", "mdlm", "self_corrupted", "coordination", "cmd"]
 LossKind = Literal["reverse_kl", "forward_kl", "reverse_kl_full", "jsd"]
-Advantage = Literal["token", "return_to_go", "sequence"]
+Advantage = Literal["token", "return_to_go", "mean_to_go", "sequence"]
 TaskName = Literal["copy", "reverse", "sort", "addition", "agree", "sudoku"]
 
 # The only (alignment, canvas) pairs accepted anywhere; everything else fails closed.
@@ -242,7 +242,7 @@ class LossConfig(_Config):
     section: ClassVar[str] = "loss"
 
     kind: LossKind = "reverse_kl"
-    advantage: Advantage = "return_to_go"
+    advantage: Advantage = "mean_to_go"
     ppo_clip: float | None = Field(default=None, gt=0.0)
     teacher_top_k: int | None = Field(default=None, gt=0)
     task_reward_weight: float = Field(default=0.0, ge=0.0)

@@ -2,7 +2,7 @@
 
 1. train (or reuse, from ``runs/demo/teacher``) a tiny causal teacher;
 2. warm up a block-diffusion student with the MDLM objective (or reuse it);
-3. run on-policy distillation in-process: student rollouts decoded in one forward per
+3. run (or resume, from ``runs/demo/opd``) on-policy distillation in-process: student rollouts decoded in one forward per
    completion, teacher scores, exact packed replay, reverse-KL policy gradient;
 4. evaluate teacher, warmed-up student and OPD student at temperature 1 across commit
    thresholds (tokens per forward from 1 to the whole completion) and write
@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     print("== 3/4 on-policy distillation")
     warmed = _sweep(job, student, tokenizer, args.eval_examples)
     history, reports = opd.run_opd(
-        job, student, InProcessTeacher(teacher, tokenizer), tokenizer, progress=progress
+        job,
+        student,
+        InProcessTeacher(teacher, tokenizer),
+        tokenizer,
+        run_dir=run / "opd",
+        progress=progress,
     )
     print("== 4/4 evaluation across commit thresholds")
     distilled = _sweep(job, student, tokenizer, args.eval_examples)

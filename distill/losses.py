@@ -25,7 +25,7 @@ Advantages (``loss.advantage``):
 
 - ``token``: ``A_p = r_p``: each token's own log-ratio (the per-token reverse KL with the
   token's context held fixed). Cannot credit a token for what it does to later tokens.
-- ``return_to_go`` (default): ``G_p = sum of r_q over weighted q with order_q >= order_p``
+- ``return_to_go``: ``G_p = sum of r_q over weighted q with order_q >= order_p``
   (``order`` = the teacher's left-to-right order, i.e. logical position), minus a baseline.
   The baseline at a token is the batch mean of ``G`` over the rows that have a token at the
   same *rank* (0 = the row's first weighted token, 1 = the second, ...), i.e. the same step
@@ -34,6 +34,12 @@ Advantages (``loss.advantage``):
   positions, because prompts differ in length. This is exact credit assignment for a
   left-to-right policy; for a block-diffusion student (which commits in denoising order)
   it is a lower-variance heuristic that drops the earlier tokens' log-ratios.
+- ``mean_to_go`` (default): ``G_p`` divided by the number of tokens it sums, with the
+  same rank baseline. Summed log-ratios favour rows that stop early (fewer negative terms):
+  on ``agree`` decoded in one forward, ``return_to_go`` usually collapses the student onto
+  an immediate stop token (a local optimum of the summed KL), while ``mean_to_go`` makes
+  the letters agree (docs/opd.md has the runs). The price is a length-normalized objective
+  rather than the sequence-level reverse KL.
 - ``sequence``: ``A_p = R_b - mean_b' R_b'`` with ``R_b`` the row's sum of ``r`` and the
   mean over rows that have any weight: the unbiased sequence-level estimator (every token
   of a row gets the same advantage).
@@ -91,7 +97,7 @@ from distill.diffusion.objectives import safe_ratio
 
 LOSS_KINDS = ("reverse_kl", "forward_kl", "reverse_kl_full", "jsd")
 DIVERGENCE_KINDS = ("forward_kl", "reverse_kl_full", "jsd")
-ADVANTAGES = ("token", "return_to_go", "sequence")
+ADVANTAGES = ("token", "return_to_go", "mean_to_go", "sequence")
 DEFAULT_TAIL_FLOOR = 1e-6
 
 _INT_MAX = int(np.iinfo(np.int32).max)
@@ -326,13 +332,19 @@ def policy_gradient(
     return LossTerms(_f32_sum(surrogate * weights, active), _f32_sum(weights, active), metrics)
 
 
-def _return_to_go(log_ratio: jax.Array, active: jax.Array, order: jax.Array) -> jax.Array:
-    """Return-to-go in ``order`` minus the batch mean at the same rank (see module doc)."""
+def _return_to_go(
+    log_ratio: jax.Array, active: jax.Array, order: jax.Array, *, mean: bool = False
+) -> jax.Array:
+    """Return-to-go in ``order`` (``mean``: divided by the number of tokens it sums) minus
+    the batch mean at the same rank (see module doc)."""
     key = jnp.where(active, order.astype(jnp.int32), _INT_MAX)
     permutation = jnp.argsort(key, axis=1, stable=True)
     ranked = jnp.take_along_axis(log_ratio, permutation, axis=1)
     ranked_active = jnp.take_along_axis(active, permutation, axis=1)
     returns = jnp.flip(jnp.cumsum(jnp.flip(ranked, axis=1), axis=1), axis=1)
+    if mean:
+        remaining = jnp.flip(jnp.cumsum(jnp.flip(ranked_active, axis=1), axis=1), axis=1)
+        returns = safe_ratio(returns, remaining.astype(jnp.float32))
     present = jnp.sum(ranked_active, axis=0, dtype=jnp.float32)
     baseline = safe_ratio(jnp.sum(jnp.where(ranked_active, returns, 0.0), axis=0), present)
     ranked_advantage = jnp.where(ranked_active, returns - baseline[None, :], 0.0)
@@ -354,7 +366,7 @@ def opd_advantages(
         raise _error("advantage", f"be one of {ADVANTAGES}", advantage)
     shape = _weights_shape(weights)
     _check_shape("log_ratio", log_ratio, shape, "`weights`")
-    if advantage == "return_to_go":
+    if advantage in ("return_to_go", "mean_to_go"):
         if order is None:
             raise _error("order", "be given (logical positions) for advantage 'return_to_go'", None)
         _check_shape("order", order, shape, "`weights`")
@@ -369,7 +381,7 @@ def opd_advantages(
             jnp.sum(jnp.where(rows, totals, 0.0)), jnp.sum(rows, dtype=jnp.float32)
         )
         return jnp.where(active, (totals - baseline)[:, None], 0.0)
-    return _return_to_go(r, active, jnp.asarray(order))
+    return _return_to_go(r, active, jnp.asarray(order), mean=advantage == "mean_to_go")
 
 
 def reverse_kl(
@@ -404,7 +416,7 @@ def reverse_kl(
         _check_shape("extra_advantages", extra_advantages, shape, "`weights`")
     if advantage not in ADVANTAGES:
         raise _error("advantage", f"be one of {ADVANTAGES}", advantage)
-    if advantage == "return_to_go" and order is None:
+    if advantage in ("return_to_go", "mean_to_go") and order is None:
         raise _error("order", "be given (logical positions) for advantage 'return_to_go'", None)
     _check_ppo_clip(ppo_clip)
     active, weights = _weights(weights)
@@ -706,7 +718,7 @@ class OpdLoss:
     """
 
     kind: str = "reverse_kl"
-    advantage: str = "return_to_go"
+    advantage: str = "mean_to_go"
     ppo_clip: float | None = None
     teacher_top_k: int | None = None
     task_reward_weight: float = 0.0
@@ -749,7 +761,7 @@ class OpdLoss:
         names: list[str] = []
         if self.kind == "reverse_kl":
             names += ["student_logps", "behaviour_logps", "teacher_logps"]
-            if self.advantage == "return_to_go":
+            if self.advantage in ("return_to_go", "mean_to_go"):
                 names.append("order")
         elif self.teacher_top_k is None:
             names += ["student_log_probs", "teacher_log_probs"]

@@ -3,6 +3,8 @@
     distill demo                       the end-to-end demo (same as ``make demo``)
     distill train-teacher CONFIG --run-dir DIR [--set a.b=value ...]
     distill warmup-student CONFIG --run-dir DIR [--teacher-run DIR] [--set a.b=value ...]
+    distill opd CONFIG --run-dir DIR --student-run DIR (--teacher-run DIR | --teacher-server
+                  ADDR [--token-file F]) [--set a.b=value ...]
     distill score --hf-checkpoint DIR TEXT [--top-k K]
     distill score --server ADDR [--token-file F] (--hf-checkpoint DIR TEXT | --ids "ID ...")
                   [--top-k K]
@@ -54,6 +56,37 @@ def _warmup_student(args: argparse.Namespace) -> None:
     elif job.student_init == "teacher":
         raise ConfigError("`--teacher-run` must be given when student_init is 'teacher'")
     pipeline.warmup_student(job, args.run_dir, teacher=teacher, progress=not args.quiet)
+
+
+def _opd(args: argparse.Namespace) -> None:
+    from distill import opd, pipeline
+    from distill.teacher import InProcessTeacher
+
+    job = _job(args)
+    tokenizer = pipeline.job_tokenizer(job)
+    if (args.teacher_run is None) == (args.teacher_server is None):
+        raise ConfigError(
+            "`--teacher-run` or `--teacher-server` must be given, not both; received "
+            f"{'both' if args.teacher_run else 'neither'}"
+        )
+    teacher_model = None
+    if args.teacher_run is not None:
+        teacher_model = pipeline.load_teacher_run(job, args.teacher_run)
+    elif job.student_init == "teacher":
+        raise ConfigError(
+            "`--teacher-run` must be given when student_init is 'teacher' (the warm-up run's "
+            "contract names the teacher's parameters)"
+        )
+    student = pipeline.load_student_run(job, args.student_run, teacher=teacher_model)
+    if teacher_model is not None:
+        teacher = InProcessTeacher(teacher_model, tokenizer)
+        opd.run_opd(job, student, teacher, tokenizer, run_dir=args.run_dir, progress=not args.quiet)
+        return
+    from services.auth import read_token
+    from services.client import RemoteTeacher
+
+    with RemoteTeacher(args.teacher_server, token=read_token(args.token_file)) as teacher:
+        opd.run_opd(job, student, teacher, tokenizer, run_dir=args.run_dir, progress=not args.quiet)
 
 
 def _score(args: argparse.Namespace) -> None:
@@ -237,6 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "warmup-student":
             command.add_argument("--teacher-run", help="a finished train-teacher run dir")
         command.set_defaults(run=handler)
+
+    distill = commands.add_parser(
+        "opd", help="on-policy distillation of a warmed-up student (resumable)"
+    )
+    distill.add_argument("config", help="job YAML")
+    distill.add_argument("--run-dir", required=True, help="checkpoints + contract")
+    distill.add_argument("--student-run", required=True, help="a finished warmup-student run")
+    distill.add_argument("--teacher-run", help="a finished train-teacher run (in-process)")
+    distill.add_argument("--teacher-server", metavar="HOST:PORT", help="a teacher server")
+    distill.add_argument("--token-file", help="bearer token for --teacher-server")
+    distill.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    distill.add_argument("--quiet", action="store_true", help="no progress bar")
+    distill.set_defaults(run=_opd)
 
     score = commands.add_parser(
         "score", help="teacher log-probs of a text (HF checkpoint, or through a server)"

@@ -171,6 +171,22 @@ def test_return_to_go_advantage_on_hand_computed_example(hand):
     np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
+def test_mean_to_go_advantage_divides_each_return_by_the_tokens_it_sums(hand):
+    got = hand["mean_to_go"][0]
+    # Mean returns by rank: row 0 [2, 5/2, 3], row 1 [5/3, 3, 4], row 2 [1, 1, 1, 1];
+    # baselines by rank: 14/9, 13/6, 8/3, 1. A row that stops early is no longer favoured
+    # for summing fewer negative log-ratios.
+    expected = np.array(
+        [
+            [0.0, 4 / 9, 1 / 3, 1 / 3],
+            [4 / 3, 1 / 9, 5 / 6, 0.0],
+            [-5 / 9, -7 / 6, -5 / 3, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+        ]
+    )
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
 def test_sequence_and_token_advantages_on_hand_computed_example(hand):
     sequence = hand["sequence"][0]
     # Row sums 6, 5, 4 (row 3 has no weight and is left out of the mean 5).
@@ -466,7 +482,7 @@ def _loss_cases():
     differentiable inputs (``s``: student log-probs of the sampled tokens, ``sv``: the
     student's full log-probs)."""
     cases = []
-    for advantage, clip in zip(losses.ADVANTAGES, (None, 0.2, 0.2), strict=True):
+    for advantage, clip in zip(losses.ADVANTAGES, (None, 0.2, 0.2, None), strict=True):
 
         def policy(weights, batch, advantage=advantage, clip=clip):
             s, b, t = batch[:3]

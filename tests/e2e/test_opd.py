@@ -1,9 +1,11 @@
 """Slow: OPD on `agree` (decoded in one forward per completion at temperature 1).
 
 From a warmed-up student whose independent parallel samples almost never agree, a seeded
-in-process OPD run with return-to-go advantages reaches >= 95% exact match; per-token
-advantages do not (the first letter is rewarded for staying uniform, the cost lands on later
-letters). Job: deploy/configs/agree.yaml, seed 0.
+in-process OPD run with the length-normalized return-to-go advantage (``mean_to_go``, the
+default) reaches >= 95% exact match; per-token advantages do not (the first letter is
+rewarded for staying uniform, the cost lands on later letters), and the summed return-to-go
+collapses onto an immediate stop token here (fewer negative log-ratios to sum). Job:
+deploy/configs/agree.yaml, seed 0.
 """
 
 import jax
@@ -44,8 +46,8 @@ def distill(warmed, advantage):
 
 
 @pytest.mark.slow
-def test_return_to_go_opd_fixes_one_forward_decoding_of_agree(warmed):
-    reports = distill(warmed, "return_to_go")
+def test_mean_to_go_opd_fixes_one_forward_decoding_of_agree(warmed):
+    reports = distill(warmed, "mean_to_go")
     (_, before), (_, after) = reports[0], reports[-1]
     assert before.tokens_per_forward == after.tokens_per_forward >= 4.0
     assert before.overall < 0.2
