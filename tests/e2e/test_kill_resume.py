@@ -1,4 +1,4 @@
-"""Slow: a teacher-training process killed with SIGKILL mid-run and resumed ends with the same
+"""Slow: a teacher-training (and an OPD) process killed with SIGKILL mid-run and resumed ends with the same
 parameters, bit for bit, as an uninterrupted run; the trained data positions form one
 contiguous range with no sample trained twice."""
 
@@ -78,3 +78,84 @@ def test_sigkill_mid_run_then_resume_is_bitwise_identical(tmp_path):
     progress = json.loads((killed / "checkpoints" / "12" / "progress" / "metadata").read_text())
     assert progress["data_position"] == 12 * 8
     assert progress["ledger"] == [[0, 12 * 8]]
+
+
+# ---- the OPD phase: `distill opd` killed mid-run ---------------------------------------------
+
+OPD_OVERRIDES = [
+    *OVERRIDES[:4],
+    "student_init=scratch",
+    "data.batch_size=4",
+    "teacher_training.steps=2",
+    "teacher_training.optimizer.warmup_steps=1",
+    "teacher_training.eval_examples=2",
+    "student_warmup.steps=2",
+    "student_warmup.optimizer.warmup_steps=1",
+    "student_warmup.eval_examples=2",
+    "opd.steps=12",
+    "opd.checkpoint_every=2",
+    "opd.eval_examples=2",
+]
+
+
+def opd_command(run_dir, teacher_run, student_run):
+    args = [sys.executable, "-m", "services.cli", "opd", "deploy/configs/tiny.yaml", "--quiet"]
+    args += ["--run-dir", str(run_dir), "--teacher-run", str(teacher_run)]
+    args += ["--student-run", str(student_run)]
+    for override in OPD_OVERRIDES:
+        args += ["--set", override]
+    return args
+
+
+def opd_final(job, run_dir, student_run):
+    student = pipeline.load_student_run(job, student_run)
+    optimizer = pipeline.phase_train_state(student, job.opd)
+    checkpointer = RunCheckpointer.open(
+        run_dir, json.loads((run_dir / "contract.json").read_text())
+    )
+    restored = checkpointer.restore_latest((optimizer, student))
+    checkpointer.close()
+    assert restored.step == 12
+    params = [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(student, nnx.Param))]
+    return params, restored.progress
+
+
+@pytest.mark.slow
+def test_sigkill_mid_opd_then_resume_is_bitwise_identical_and_exactly_once(tmp_path):
+    from services import cli
+
+    job = load_config("deploy/configs/tiny.yaml", JobConfig, OPD_OVERRIDES)
+    config = ["deploy/configs/tiny.yaml", "--quiet"]
+    config += [part for override in OPD_OVERRIDES for part in ("--set", override)]
+    teacher_run, student_run = tmp_path / "teacher", tmp_path / "student"
+    assert cli.main(["train-teacher", *config, "--run-dir", str(teacher_run)]) == 0
+    assert cli.main(["warmup-student", *config, "--run-dir", str(student_run)]) == 0
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(
+        opd_command(whole, teacher_run, student_run), check=True, timeout=600, capture_output=True
+    )
+
+    process = subprocess.Popen(
+        opd_command(killed, teacher_run, student_run),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 300
+    while not (killed / "checkpoints" / "4").is_dir():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    steps = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] < 12
+
+    subprocess.run(
+        opd_command(killed, teacher_run, student_run), check=True, timeout=600, capture_output=True
+    )
+    got, progress = opd_final(job, killed, student_run)
+    want, _ = opd_final(job, whole, student_run)
+    for got_leaf, want_leaf in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_leaf, want_leaf)
+    assert progress["ledger"] == [[0, 12 * 4]] and progress["policy_version"] == 12
