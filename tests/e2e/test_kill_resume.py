@@ -1,6 +1,6 @@
-"""Slow: a teacher-training (and an OPD) process killed with SIGKILL mid-run and resumed ends with the same
-parameters, bit for bit, as an uninterrupted run; the trained data positions form one
-contiguous range with no sample trained twice."""
+"""Slow: a teacher-training process and an OPD process, each killed with SIGKILL mid-run and
+resumed, end with the same parameters, bit for bit, as uninterrupted runs; the trained data
+positions form one contiguous range with no sample trained twice."""
 
 import json
 import os
