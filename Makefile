@@ -31,7 +31,7 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m distill.demo $(DEMO_ARGS)
+	$(PY) -m services.demo $(DEMO_ARGS)
 
 bench: setup
 	@for script in bench/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

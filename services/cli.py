@@ -237,7 +237,7 @@ def _serve_teacher(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from distill import demo
+    from services import demo
 
     demo.main(args.demo_args)
 

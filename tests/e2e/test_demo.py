@@ -1,4 +1,5 @@
-"""`make demo` runs end to end (the same entry point, shortened, in a subprocess)."""
+"""`make demo` runs end to end (the same entry point, shortened, in a subprocess), scoring
+through the gRPC teacher server."""
 
 import json
 import subprocess
@@ -17,7 +18,7 @@ def test_demo_runs_every_phase_and_writes_the_report_and_plot(tmp_path):
         "opd.steps=3",
         "opd.eval_examples=16",
     ]
-    command = [sys.executable, "-m", "distill.demo", "--run-dir", str(tmp_path), "--quiet"]
+    command = [sys.executable, "-m", "services.demo", "--run-dir", str(tmp_path), "--quiet"]
     command += ["--eval-examples", "16"]
     for override in shorter:
         command += ["--set", override]
@@ -29,4 +30,5 @@ def test_demo_runs_every_phase_and_writes_the_report_and_plot(tmp_path):
     per_forward = [entry["tokens_per_forward"] for entry in report["opd"]]
     assert per_forward[0] > per_forward[-1] == pytest.approx(1.0)
     assert (tmp_path / "accuracy_vs_parallelism.png").stat().st_size > 1000
-    assert "| OPD student |" in (tmp_path / "report.md").read_text()
+    text = (tmp_path / "report.md").read_text()
+    assert "| OPD student |" in text and "teacher served." in text

@@ -1,9 +1,11 @@
-"""`make demo`: the whole product in one process with tiny models on the CPU.
+"""`make demo`: the whole product end to end with tiny models on the CPU.
 
 1. train (or reuse, from ``runs/demo/teacher``) a tiny causal teacher;
 2. warm up a block-diffusion student with the MDLM objective (or reuse it);
-3. run (or resume, from ``runs/demo/opd``) on-policy distillation in-process: student rollouts decoded in one forward per
-   completion, teacher scores, exact packed replay, reverse-KL policy gradient;
+3. serve the teacher with the real gRPC scoring server on loopback (``--teacher
+   in-process`` skips the server) and run (or resume, from ``runs/demo/opd``) on-policy
+   distillation against it: student rollouts decoded in one forward per completion, teacher
+   scores over gRPC, exact packed replay, reverse-KL policy gradient;
 4. evaluate teacher, warmed-up student and OPD student at temperature 1 across commit
    thresholds (tokens per forward from 1 to the whole completion) and write
    ``runs/demo/report.md``, ``report.json`` and ``accuracy_vs_parallelism.png``.
@@ -15,6 +17,7 @@ sampling fails and OPD has to teach the student's parallel marginals to agree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -24,6 +27,8 @@ from distill.config import JobConfig, load_config
 from distill.data.stream import TaskStream
 from distill.evaluate import EvalReport, evaluate_student
 from distill.teacher import InProcessTeacher
+from services.client import RemoteTeacher
+from services.teacher import serve_teacher
 
 THRESHOLDS = (0.0, 0.5, 0.9, 1.0)
 
@@ -68,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     parser.add_argument("--eval-examples", type=int, default=128)
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument(
+        "--teacher",
+        choices=("served", "in-process"),
+        default="served",
+        help="score through the gRPC teacher server on loopback (default) or in-process",
+    )
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -83,14 +94,16 @@ def main(argv: list[str] | None = None) -> None:
     student, _ = pipeline.warmup_student(job, run / "student", progress=progress)
     print("== 3/4 on-policy distillation")
     warmed = _sweep(job, student, tokenizer, args.eval_examples)
-    history, reports = opd.run_opd(
-        job,
-        student,
-        InProcessTeacher(teacher, tokenizer),
-        tokenizer,
-        run_dir=run / "opd",
-        progress=progress,
-    )
+    local = InProcessTeacher(teacher, tokenizer)
+    with contextlib.ExitStack() as stack:
+        scorer = local
+        if args.teacher == "served":
+            server = stack.enter_context(serve_teacher(local))
+            scorer = stack.enter_context(RemoteTeacher(server.address))
+            print(f"   teacher served on {server.address} (gRPC, loopback)")
+        history, reports = opd.run_opd(
+            job, student, scorer, tokenizer, run_dir=run / "opd", progress=progress
+        )
     print("== 4/4 evaluation across commit thresholds")
     distilled = _sweep(job, student, tokenizer, args.eval_examples)
 
@@ -118,7 +131,11 @@ def main(argv: list[str] | None = None) -> None:
             f"| {name} | {'-' if threshold is None else threshold} | "
             f"{report.tokens_per_forward:.2f} | {accuracy} | {report.overall:.3f} | {entropy} |"
         )
-    lines += ["", f"OPD: {job.opd.steps} steps, loss {job.loss.kind} / {job.loss.advantage}."]
+    lines += [
+        "",
+        f"OPD: {job.opd.steps} steps, loss {job.loss.kind} / {job.loss.advantage}, teacher "
+        f"{args.teacher}.",
+    ]
     lines.append(f"Wall time {time.perf_counter() - start:.0f} s.")
     (run / "report.md").write_text("\n".join(lines) + "\n")
     (run / "report.json").write_text(
