@@ -6,10 +6,11 @@ import pytest
 from flax import nnx
 
 from distill.config import LossConfig, ModelConfig, OptimizerConfig, RolloutConfig
+from distill.data.tasks import Example
 from distill.diffusion.denoise import SamplingSettings, rollout
 from distill.losses import OpdLoss
 from distill.models.transformer import Transformer
-from distill.opd import opd_update, prepare_batch, teacher_sequences, teacher_top_k
+from distill.opd import opd_update, prepare_batch, task_rewards, teacher_sequences, teacher_top_k
 from distill.teacher import InProcessTeacher
 from distill.tokenizer import CharTokenizer
 from distill.train import make_train_state
@@ -176,3 +177,32 @@ def test_top_k_larger_than_the_teacher_vocabulary_is_refused(setup):
     info = setup[1].info()
     with pytest.raises(ValueError, match="`loss.teacher_top_k`"):
         teacher_top_k(OpdLoss(kind="jsd", teacher_top_k=info.vocab_size + 1), info)
+
+
+class FixedCompletions:
+    """A stand-in for a trace's stop-cut completions (task_rewards reads nothing else)."""
+
+    def __init__(self, completions):
+        self._completions = completions
+
+    def completions(self):
+        return self._completions
+
+
+def test_task_rewards_verify_each_stop_cut_completion_against_its_example():
+    tokenizer = CharTokenizer()
+    stop = tokenizer.special.stop_ids[0]
+    examples = [
+        Example("agree", "agree:3|", "aaa", 0),
+        Example("agree", "agree:3|", "aaa", 1),
+        Example("copy", "copy:ab|", "ab", 2),
+    ]
+    completions = [
+        [*tokenizer.encode("ccc"), stop],  # another letter agrees too
+        [*tokenizer.encode("cca"), stop],
+        tokenizer.encode("ab"),  # no stop token: judged on its text, as evaluation does
+    ]
+    rewards = task_rewards(examples, FixedCompletions(completions), tokenizer)
+    assert rewards == [1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="`examples`"):
+        task_rewards(examples[:2], FixedCompletions(completions), tokenizer)
