@@ -154,6 +154,14 @@ def prepare_batch(
     if bad.any():
         row = int(np.argwhere(bad)[0][0])
         raise ValueError(f"`teacher_logps` must be finite on weighted tokens; row {row} is not")
+    # Top-k log-probs may be -inf (zero mass) but never NaN or +inf on a weighted token.
+    bad_topk = (weights > 0) & (np.isnan(topk_logps) | (topk_logps == np.inf)).any(axis=-1)
+    if bad_topk.any():
+        row = int(np.argwhere(bad_topk)[0][0])
+        raise ValueError(
+            f"`teacher_topk_logps` must be finite or -inf on weighted tokens; row {row} holds "
+            "NaN or +inf"
+        )
     weighted = (weights > 0)[..., None]
     return PreparedBatch(
         trace=trace,
@@ -375,7 +383,12 @@ def run_opd(
     checkpointer, step, ledger, reports = None, 0, [], []
     if run_dir is not None:
         contract = phase_contract(
-            job, tokenizer, "opd", teacher_hash=info.model_hash, student_hash=model_hash(student)
+            job,
+            tokenizer,
+            "opd",
+            teacher_hash=info.model_hash,
+            student_hash=model_hash(student),
+            phase_config=phase,
         )
         checkpointer = RunCheckpointer.open(run_dir, contract)
         restored = checkpointer.restore_latest((optimizer, student))

@@ -54,11 +54,13 @@ def phase_contract(
     *,
     teacher_hash: str | None = None,
     student_hash: str | None = None,
+    phase_config: PhaseConfig | None = None,
 ) -> dict[str, Any]:
     """Everything a resumed phase must share with the run it resumes: for a student
     initialized from the teacher, the teacher's parameter hash; for OPD, the teacher's
     model hash (as its scoring server reports it) and the hash of the student it started
-    from, plus the rollout and loss configs."""
+    from, plus the rollout and loss configs. ``phase_config`` overrides the job's config of
+    that phase (a caller training with another one)."""
     stream = TaskStream(job.data)
     contract: dict[str, Any] = {
         "phase": phase,
@@ -74,14 +76,17 @@ def phase_contract(
         "topology": topology(),
     }
     if phase == "teacher_training":
-        contract |= {"teacher": job.teacher.model_dump(), "training": _phase(job.teacher_training)}
+        contract |= {
+            "teacher": job.teacher.model_dump(),
+            "training": _phase(phase_config or job.teacher_training),
+        }
     elif phase == "student_warmup":
         contract |= {
             "student": job.student.model_dump(),
             "student_init": job.student_init,
             "teacher_hash": teacher_hash,
             "objective": job.objective.model_dump(),
-            "training": _phase(job.student_warmup),
+            "training": _phase(phase_config or job.student_warmup),
         }
     elif phase == "opd":
         contract |= {
@@ -91,7 +96,7 @@ def phase_contract(
             "student_start_hash": student_hash,
             "rollout": job.rollout.model_dump(),
             "loss": job.loss.model_dump(),
-            "training": _phase(job.opd),
+            "training": _phase(phase_config or job.opd),
         }
     else:
         raise ValueError(

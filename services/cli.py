@@ -4,9 +4,10 @@
     distill train-teacher CONFIG --run-dir DIR [--set a.b=value ...]
     distill warmup-student CONFIG --run-dir DIR [--teacher-run DIR] [--set a.b=value ...]
     distill opd CONFIG --run-dir DIR --student-run DIR (--teacher-run DIR | --teacher-server
-                  ADDR [--token-file F]) [--set a.b=value ...]
+                  ADDR [--token-file F] [--tls-root-cert F]) [--set a.b=value ...]
     distill score --hf-checkpoint DIR TEXT [--top-k K]
-    distill score --server ADDR [--token-file F] (--hf-checkpoint DIR TEXT | --ids "ID ...")
+    distill score --server ADDR [--token-file F] [--tls-root-cert F]
+                  (--hf-checkpoint DIR TEXT | --ids "ID ...")
                   [--top-k K]
     distill serve teacher (--hf-checkpoint DIR | CONFIG --teacher-run DIR [--set a.b=value ...])
                   [--address HOST:PORT] [--token-file F] [--tls-cert F --tls-key F]
@@ -85,7 +86,10 @@ def _opd(args: argparse.Namespace) -> None:
     from services.auth import read_token
     from services.client import RemoteTeacher
 
-    with RemoteTeacher(args.teacher_server, token=read_token(args.token_file)) as teacher:
+    token = read_token(args.token_file)
+    with RemoteTeacher(
+        args.teacher_server, token=token, tls_root_cert_file=args.tls_root_cert
+    ) as teacher:
         opd.run_opd(job, student, teacher, tokenizer, run_dir=args.run_dir, progress=not args.quiet)
 
 
@@ -116,7 +120,8 @@ def _score_remote(args: argparse.Namespace) -> None:
             "`--hf-checkpoint` (for its tokenizer) or `--ids` must be given with `--server`, "
             f"not both; received {'both' if args.ids else 'neither'}"
         )
-    with RemoteTeacher(args.server, token=read_token(args.token_file)) as teacher:
+    token = read_token(args.token_file)
+    with RemoteTeacher(args.server, token=token, tls_root_cert_file=args.tls_root_cert) as teacher:
         info = teacher.info()
         tokenizer = None
         if args.ids:
@@ -280,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--teacher-run", help="a finished train-teacher run (in-process)")
     distill.add_argument("--teacher-server", metavar="HOST:PORT", help="a teacher server")
     distill.add_argument("--token-file", help="bearer token for --teacher-server")
+    distill.add_argument("--tls-root-cert", help="PEM roots to verify a TLS teacher server")
     distill.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     distill.add_argument("--quiet", action="store_true", help="no progress bar")
     distill.set_defaults(run=_opd)
@@ -294,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     score.add_argument("--server", metavar="HOST:PORT", help="score through a teacher server")
     score.add_argument("--token-file", help="bearer token for --server (else $DISTILL_TOKEN)")
+    score.add_argument("--tls-root-cert", help="PEM roots to verify a TLS --server")
     score.add_argument("--ids", action="store_true", help="TEXT is token ids (with --server)")
     score.add_argument("--top-k", type=int, default=None)
     score.set_defaults(run=_score)

@@ -3,8 +3,9 @@
 A learner holding a ``RemoteTeacher`` calls ``info()`` and ``score()`` exactly as it would an
 ``InProcessTeacher``; the scores are the same float32 values. Each call has a deadline
 (``timeout_s``); a call that finds the server ``UNAVAILABLE`` (not started yet, restarting,
-connection dropped) is retried ``retries`` more times with exponential backoff and jitter.
-Other statuses are not retried: they would fail the same way again. A refused call raises
+connection dropped, queue full) is retried ``retries`` more times with exponential backoff
+and jitter. Other statuses are not retried: they would fail the same way again. A batch
+larger than one request may be is split into several requests. A refused call raises
 :class:`TeacherServerError` whose message starts with the server's reason ("`field` must
 ...; received ..."); ``INVALID_ARGUMENT`` raises :class:`InvalidTeacherRequest`, which is also
 a ``ValueError`` like the in-process teacher's refusals.
@@ -54,7 +55,9 @@ class RemoteTeacher:
     its certificate. ``timeout_s``: deadline of each attempt. ``retries``: extra attempts
     after ``UNAVAILABLE``, waiting ``backoff_s * 2**attempt`` (at most ``max_backoff_s``,
     times a random factor in [0.5, 1] so many clients do not retry in lockstep).
-    ``max_message_bytes`` should match the server's.
+    ``max_message_bytes``, ``max_request_sequences`` and ``max_request_tokens`` should match
+    the server's: :meth:`score` splits a large batch into requests within them (a learner's
+    batch is often larger than one request may be).
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class RemoteTeacher:
         tls_root_cert_file: str | os.PathLike[str] | None = None,
         tls_server_name: str | None = None,
         max_message_bytes: int = 64 << 20,
+        max_request_sequences: int = 256,
+        max_request_tokens: int = 65536,
     ):
         if not timeout_s > 0:
             raise ValueError(f"`timeout_s` must be > 0; received {timeout_s!r}")
@@ -78,7 +83,22 @@ class RemoteTeacher:
             raise ValueError(
                 f"`backoff_s` must be in [0, max_backoff_s={max_backoff_s}]; received {backoff_s!r}"
             )
+        for field, value in (
+            ("max_request_sequences", max_request_sequences),
+            ("max_request_tokens", max_request_tokens),
+            ("max_message_bytes", max_message_bytes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{field}` must be a positive int; received {value!r}")
+        if tls_server_name is not None and tls_root_cert_file is None:
+            raise ValueError(
+                "`tls_root_cert_file` must be given with tls_server_name (a name override "
+                "on a plaintext channel would verify nothing); received None"
+            )
         self.address = address
+        self.max_request_sequences = max_request_sequences
+        self.max_request_tokens = max_request_tokens
+        self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -109,6 +129,38 @@ class RemoteTeacher:
         ``[n - 1]`` log-probs of each next token, plus ``[n - 1, top_k]`` top ids/log-probs."""
         if top_k is not None and (isinstance(top_k, bool) or top_k < 1):
             raise ValueError(f"`top_k` must be None or >= 1; received {top_k!r}")
+        out: list[ScoredSequence] = []
+        for start, end in self._request_ranges(sequences, top_k or 0):
+            out += self._score_request(sequences[start:end], top_k)
+        return out
+
+    def _request_ranges(
+        self, sequences: Sequence[Sequence[int]], top_k: int
+    ) -> list[tuple[int, int]]:
+        """Consecutive ranges of ``sequences`` that each fit the request limits (sequences,
+        ids, and an estimated response of at most half ``max_message_bytes``). A sequence
+        too large on its own goes alone, and the server's refusal names the limit."""
+        per_position = 5 + 9 * top_k  # float32 log-prob + top-k ids and log-probs, varints
+        budget = self.max_message_bytes // 2
+        ranges, start, tokens, size = [], 0, 0, 0
+        for index, sequence in enumerate(sequences):
+            length, cost = len(sequence), max(len(sequence) - 1, 0) * per_position
+            full = (
+                index - start + 1 > self.max_request_sequences
+                or tokens + length > self.max_request_tokens
+                or size + cost > budget
+            )
+            if index > start and full:
+                ranges.append((start, index))
+                start, tokens, size = index, 0, 0
+            tokens, size = tokens + length, size + cost
+        if len(sequences) > start or not ranges:
+            ranges.append((start, len(sequences)))
+        return ranges
+
+    def _score_request(
+        self, sequences: Sequence[Sequence[int]], top_k: int | None
+    ) -> list[ScoredSequence]:
         lengths = [len(sequence) for sequence in sequences]
         request = teacher_pb2.ScoreRequest(
             sequences=[teacher_pb2.TokenSequence(ids=list(map(int, s))) for s in sequences],

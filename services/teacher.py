@@ -35,6 +35,9 @@ from services.proto import teacher_pb2, teacher_pb2_grpc
 from services.server import RunningServer, ServerConfig, config_error, start_server
 from services.teacher_messages import info_to_proto, scored_to_proto
 
+# Longest wait on a queued request without a deadline bound (threading's limit is larger).
+_MAX_WAIT_S = 7 * 24 * 3600.0
+
 #: Full gRPC name of the service, as health and reflection report it.
 SERVICE_NAME = teacher_pb2.DESCRIPTOR.services_by_name["TeacherService"].full_name
 # Upper bound of the wire size of one scored position: a float log-prob, and per top-k
@@ -51,7 +54,7 @@ class TeacherServerConfig(ServerConfig):
     the oldest queued request for company; ``bucket_rows`` pads the row count to a power of
     two so a jitted teacher compiles once per bucket. Limits per request:
     ``max_request_sequences``, ``max_request_tokens`` (sum of lengths). At most
-    ``max_queue_requests`` requests wait; more are refused with ``RESOURCE_EXHAUSTED``.
+    ``max_queue_requests`` requests wait; more are refused with ``UNAVAILABLE`` (retry later).
     """
 
     max_batch_sequences: int = 32
@@ -183,14 +186,22 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
         except RequestError as error:
             context.abort(error.code, error.reason)
         except QueueFull as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            # Transient overload: UNAVAILABLE tells clients to retry with backoff (a request
+            # over a limit is RESOURCE_EXHAUSTED: retrying it would fail the same way).
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except BatcherStopped as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        # Called when the RPC ends for any reason; after a normal end it is a no-op.
-        context.add_callback(future.cancel)
+        # Called when the RPC ends for any reason; after a normal end it is a no-op. False
+        # means the RPC already ended: nobody waits for the result.
+        if not context.add_callback(future.cancel):
+            future.cancel()
+        remaining = context.time_remaining()
+        # Without a client deadline time_remaining() is astronomically large (too large for
+        # a wait); the callback above still cancels the wait if the caller goes away.
+        timeout = None if remaining is None or remaining > _MAX_WAIT_S else max(remaining, 0.0)
         status, reason = None, ""
         try:
-            results = future.result(timeout=context.time_remaining())
+            results = future.result(timeout=timeout)
         except CancelledError:
             status, reason = grpc.StatusCode.CANCELLED, "`call` was cancelled by the caller"
         except FutureTimeout:

@@ -1,5 +1,7 @@
 """OPD batches: weights through the first stop, the teacher's view, one exact update."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -206,3 +208,22 @@ def test_task_rewards_verify_each_stop_cut_completion_against_its_example():
     assert rewards == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="`examples`"):
         task_rewards(examples[:2], FixedCompletions(completions), tokenizer)
+
+
+class NaNTopKTeacher(InProcessTeacher):
+    """The in-process teacher with a NaN in every top-k answer."""
+
+    def score(self, sequences, *, top_k=None):
+        out = []
+        for result in super().score(sequences, top_k=top_k):
+            top = np.array(result.top_log_probs)
+            top[:, 0] = np.nan
+            out.append(dataclasses.replace(result, top_log_probs=top))
+        return out
+
+
+def test_a_nan_in_the_teachers_top_k_is_an_error_not_a_dropped_token(setup):
+    tokenizer, teacher, _, trace = setup
+    broken = NaNTopKTeacher(teacher.model, tokenizer)
+    with pytest.raises(ValueError, match="`teacher_topk_logps` must be finite or -inf"):
+        prepare_batch(trace, broken, tokenizer, top_k=4)

@@ -123,6 +123,28 @@ def test_served_scores_are_bitwise_the_in_process_scores(teacher, remote, top_k,
         assert got[0].top_ids.shape == (len(sequences[0]) - 1, top_k)
 
 
+def test_a_call_without_a_deadline_is_scored(teacher, channel):
+    # A plain stub call (grpcurl without -max-time, most non-Python clients) has no deadline.
+    stub = teacher_pb2_grpc.TeacherServiceStub(channel)
+    reply = stub.Score(request_of([[2, 5, 7]]), metadata=bearer_metadata(TOKEN))
+    want = teacher.score([[2, 5, 7]])[0].log_probs
+    np.testing.assert_array_equal(np.asarray(reply.sequences[0].log_probs, np.float32), want)
+
+
+def test_a_batch_over_the_request_limits_is_split_by_the_client(teacher, server):
+    sequences = random_sequences(np.random.default_rng(11), 40, teacher.info().vocab_size)
+    assert len(sequences) > 16 or sum(map(len, sequences)) > 400  # one request is refused
+    with RemoteTeacher(
+        server.address,
+        token=TOKEN,
+        timeout_s=WAIT_S,
+        max_request_sequences=16,
+        max_request_tokens=400,
+    ) as client:
+        got = client.score(sequences, top_k=2)
+    assert_same_scores(got, teacher.score(sequences, top_k=2), exact=False)
+
+
 def test_info_matches_and_the_compatibility_check_runs_on_the_remote_info(teacher, remote):
     info = remote.info()
     assert isinstance(info, TeacherInfo) and info == teacher.info()
