@@ -208,12 +208,32 @@ class DynamicBatcher(Generic[Result]):
                     f"`score` must return one result per sequence ({len(sequences)}); "
                     f"received {len(results)}"
                 )
+        except ValueError as error:
+            owners = list(dict.fromkeys(request for request, _ in rows))
+            if len(owners) == 1:
+                self._fail_batch(rows, padded, error)
+                return
+            # The teacher refused a sequence: score each caller's rows alone so only the
+            # caller who sent it hears the refusal (with its own request's indices).
+            for owner in owners:
+                self._score_batch([(r, i) for r, i in rows if r is owner], top_k)
+            return
         except Exception as error:  # every caller in the batch hears about it
-            for request in {request for request, _ in rows}:
-                _settle(request.future, error=error)
-            failed = True
-        else:
-            failed = False
+            self._fail_batch(rows, padded, error)
+            return
+        self._count_batch(rows, padded, failed=False)
+        for (request, index), result in zip(rows, results, strict=False):
+            request.results[index] = result
+            request.scored += 1
+            if request.scored == len(request.sequences):
+                _settle(request.future, result=request.results)
+
+    def _fail_batch(self, rows, padded: int, error: BaseException) -> None:
+        for request in {request for request, _ in rows}:
+            _settle(request.future, error=error)
+        self._count_batch(rows, padded, failed=True)
+
+    def _count_batch(self, rows, padded: int, failed: bool) -> None:
         with self._cond:
             self._counts["batches"] += 1
             self._counts["sequences"] += len(rows)
@@ -224,12 +244,6 @@ class DynamicBatcher(Generic[Result]):
             if failed:
                 # The rest of a split request can no longer complete.
                 self._queue = collections.deque(r for r in self._queue if not r.future.done())
-                return
-        for (request, index), result in zip(rows, results, strict=False):
-            request.results[index] = result
-            request.scored += 1
-            if request.scored == len(request.sequences):
-                _settle(request.future, result=request.results)
 
 
 def _settle(future: Future, *, result: object = None, error: BaseException | None = None) -> None:

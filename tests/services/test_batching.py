@@ -17,8 +17,9 @@ WAIT_S = 30  # generous bound on any single wait; never reached unless something
 class HeldScorer:
     """Records each call; the first call blocks until ``release()``."""
 
-    def __init__(self, fail_on=None):
+    def __init__(self, fail_on=None, refuse=None):
         self.calls = []
+        self.refuse = refuse
         self.started = threading.Event()
         self._release = threading.Event()
         self.fail_on = fail_on
@@ -32,6 +33,8 @@ class HeldScorer:
         assert self._release.wait(WAIT_S)
         if self.fail_on is not None and any(list(s) == self.fail_on for s in sequences):
             raise RuntimeError("scorer broke")
+        if self.refuse is not None and any(list(s) == self.refuse for s in sequences):
+            raise ValueError("`sequences` must not hold the refused sequence")
         return [(tuple(s), top_k) for s in sequences]
 
 
@@ -133,6 +136,26 @@ def test_a_failing_call_fails_its_requests_only_and_the_worker_keeps_serving():
         bad.result(WAIT_S)
     assert good.result(WAIT_S) == [((8, 8), None)]
     assert batcher.submit([[1, 2]], 1).result(WAIT_S) == [((1, 2), 1)]
+    batcher.stop()
+
+
+def test_a_sequence_the_teacher_refuses_fails_only_the_request_that_sent_it():
+    scorer = HeldScorer(refuse=[6, 6])
+    batcher = make(scorer)
+    first = hold_worker(batcher, scorer)
+    bad = batcher.submit([[5, 5], [6, 6]], None)
+    good = batcher.submit([[8, 8], [7, 7]], None)
+    scorer.release()
+    first.result(WAIT_S)
+    with pytest.raises(ValueError, match="refused sequence"):
+        bad.result(WAIT_S)
+    # Shared a call with the refused sequence, then was scored again on its own.
+    assert good.result(WAIT_S) == [((8, 8), None), ((7, 7), None)]
+    assert [call for call, _ in scorer.calls[1:]] == [
+        [[5, 5], [6, 6], [8, 8], [7, 7]],
+        [[5, 5], [6, 6]],
+        [[8, 8], [7, 7]],
+    ]
     batcher.stop()
 
 
