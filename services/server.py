@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -166,6 +167,19 @@ def _read_pem(path: str, field: str) -> bytes:
         raise config_error(field, f"be a readable PEM file ({error.strerror})", path) from error
 
 
+def _check_key_pair(cert_file: str, key_file: str) -> None:
+    """Refuse an unparsable certificate or a key that does not match it here, by field: gRPC
+    itself only reports a failed bind."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as error:
+        raise config_error(
+            "tls_cert_file",
+            f"hold a PEM certificate chain matching tls_key_file ({error.reason or error})",
+            cert_file,
+        ) from error
+
+
 def start_server(
     config: ServerConfig,
     register: Callable[[grpc.Server], None],
@@ -180,6 +194,7 @@ def start_server(
     if config.tls_cert_file is not None:
         key = _read_pem(config.tls_key_file, "tls_key_file")
         cert = _read_pem(config.tls_cert_file, "tls_cert_file")
+        _check_key_pair(config.tls_cert_file, config.tls_key_file)
         credentials = grpc.ssl_server_credentials([(key, cert)])
     interceptors = [] if config.token is None else [BearerTokenInterceptor(config.token)]
     server = grpc.server(

@@ -228,6 +228,22 @@ def test_tls_with_a_token(fake, tmp_path):
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_garbage_tls_certificate_is_refused_naming_the_field(fake, tmp_path):
+    _, key = self_signed(tmp_path)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text(
+        "-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n"
+    )
+    config = TeacherServerConfig(token="tok", tls_cert_file=str(garbage), tls_key_file=key)
+    with pytest.raises(ValueError, match="`tls_cert_file` must hold a PEM certificate chain"):
+        serve_teacher(fake, config)
+
+
+def test_a_tls_name_override_without_roots_is_refused():
+    with pytest.raises(ValueError, match="`tls_root_cert_file` must be given"):
+        RemoteTeacher("127.0.0.1:1", tls_server_name="localhost")
+
+
 def test_score_request_message_is_what_the_contract_says():
     request = teacher_pb2.ScoreRequest(sequences=[teacher_pb2.TokenSequence(ids=[1, 2, 3])])
     field = request.sequences[0].DESCRIPTOR.fields_by_name["ids"]
