@@ -97,6 +97,8 @@ def phase_contract(
             "rollout": job.rollout.model_dump(),
             "loss": job.loss.model_dump(),
             "training": _phase(phase_config or job.opd),
+            # The run's saved evaluations are one curve: resuming must not change its set.
+            "eval_examples": (phase_config or job.opd).eval_examples,
         }
     else:
         raise ValueError(

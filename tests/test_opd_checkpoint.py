@@ -105,6 +105,7 @@ def contract(job, teacher, student):
         ("loss.group_size=2", "loss.group_size"),
         ("opd.optimizer.learning_rate=0.02", "training.optimizer.learning_rate"),
         ("opd.steps=6", "training.steps"),
+        ("opd.eval_examples=8", "eval_examples"),
         ("data.seed=7", "data.seed"),
         ("seed=3", "seed"),
         ("tokenizer.stop_tokens=['|']", "special_ids.stop"),
