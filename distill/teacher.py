@@ -94,6 +94,38 @@ def check_compatible(teacher: TeacherInfo, tokenizer: Tokenizer, student_vocab: 
         raise CompatibilityError("\n".join(problems))
 
 
+def check_sequences(
+    sequences: Sequence[Sequence[int]], info: TeacherInfo, *, field: str = "sequences[{index}]"
+) -> list[np.ndarray]:
+    """The sequences as int32 arrays, or ``ValueError`` naming the field (``field`` formats
+    one sequence's name from its ``index``): at least one sequence, each 1-D with 2 to
+    ``info.max_length`` ids in ``[0, info.vocab_size)``. Every teacher (in-process or served)
+    accepts exactly these."""
+    if len(sequences) == 0:
+        raise ValueError("`sequences` must hold at least one sequence; received 0")
+    vocab, out = info.vocab_size, []
+    for index, sequence in enumerate(sequences):
+        name = field.format(index=index)
+        ids = np.asarray(sequence)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"`{name}` must be a 1-D sequence of int ids; received {ids.shape}")
+        if ids.size < 2:
+            raise ValueError(f"`{name}` must hold at least 2 ids; received {ids.size}")
+        if ids.size > info.max_length:
+            raise ValueError(
+                f"`{name}` must hold at most {info.max_length} ids (the teacher's max_length); "
+                f"received {ids.size}"
+            )
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise ValueError(
+                f"`{name}` must hold ids in [0, {vocab}); received {int(ids[bad[0]])} at "
+                f"position {int(bad[0])}"
+            )
+        out.append(ids.astype(np.int32))
+    return out
+
+
 def _bucket(length: int, multiple: int = 16) -> int:
     return max(multiple, -(-length // multiple) * multiple)
 
@@ -150,23 +182,8 @@ class InProcessTeacher:
     def score(
         self, sequences: Sequence[Sequence[int]], *, top_k: int | None = None
     ) -> list[ScoredSequence]:
-        if not sequences:
-            raise ValueError("`sequences` must hold at least one sequence; received none")
+        sequences = check_sequences(sequences, self._info)
         vocab = self._info.vocab_size
-        for index, sequence in enumerate(sequences):
-            ids = np.asarray(sequence)
-            if ids.ndim != 1 or ids.size < 2:
-                raise ValueError(f"`sequences[{index}]` must hold >= 2 ids; received {ids.size}")
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise ValueError(
-                    f"`sequences[{index}]` must hold ids in [0, {vocab}); received "
-                    f"{ids.min()}..{ids.max()}"
-                )
-            if ids.size > self._info.max_length:
-                raise ValueError(
-                    f"`sequences[{index}]` must be at most {self._info.max_length} ids; "
-                    f"received {ids.size}"
-                )
         if top_k is not None and not 1 <= top_k <= vocab:
             raise ValueError(f"`top_k` must be in [1, {vocab}]; received {top_k}")
         width = _bucket(max(len(sequence) for sequence in sequences))

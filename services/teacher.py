@@ -29,7 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 import numpy as np
 
-from distill.teacher import Teacher, TeacherInfo
+from distill.teacher import Teacher, TeacherInfo, check_sequences
 from services.batching import BatcherStats, BatcherStopped, DynamicBatcher, QueueFull
 from services.proto import teacher_pb2, teacher_pb2_grpc
 from services.server import RunningServer, ServerConfig, config_error, start_server
@@ -118,26 +118,12 @@ def validate_score_request(
             f"`sequences` must hold at most {config.max_request_tokens} ids in all (server "
             f"limit max_request_tokens); received {total}",
         )
-    sequences = []
-    for index, sequence in enumerate(request.sequences):
-        field = f"sequences[{index}].ids"
-        ids = np.array(sequence.ids, np.int32)
-        if ids.size < 2:
-            raise RequestError(invalid, f"`{field}` must hold at least 2 ids; received {ids.size}")
-        if ids.size > info.max_length:
-            raise RequestError(
-                invalid,
-                f"`{field}` must hold at most {info.max_length} ids (the teacher's max_length); "
-                f"received {ids.size}",
-            )
-        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-        if bad.size:
-            raise RequestError(
-                invalid,
-                f"`{field}` must hold ids in [0, {vocab}); received {int(ids[bad[0]])} at "
-                f"position {int(bad[0])}",
-            )
-        sequences.append(ids)
+    try:
+        sequences = check_sequences(
+            [sequence.ids for sequence in request.sequences], info, field="sequences[{index}].ids"
+        )
+    except ValueError as error:
+        raise RequestError(invalid, str(error)) from None
     positions = total - count
     size = count * _BYTES_PER_SEQUENCE + positions * (
         _BYTES_PER_POSITION + top_k * _BYTES_PER_TOP_ENTRY

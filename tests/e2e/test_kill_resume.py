@@ -51,23 +51,28 @@ def final_params(run_dir):
     return [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-@pytest.mark.slow
-def test_sigkill_mid_run_then_resume_is_bitwise_identical(tmp_path):
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(command(whole), check=True, timeout=600, capture_output=True)
-
-    process = subprocess.Popen(command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def kill_after_second_checkpoint(args, run_dir):
+    """Start ``args`` and SIGKILL it as soon as its step-4 checkpoint exists: mid-run,
+    between checkpoints of a 12-step run saving every 2 steps."""
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
-    # Kill as soon as the second checkpoint exists: mid-run, between checkpoints.
-    while not (killed / "checkpoints" / "4").is_dir():
+    while not (run_dir / "checkpoints" / "4").is_dir():
         assert process.poll() is None, process.stderr.read().decode()[-2000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
     os.kill(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
-    steps = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] < 12
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_is_bitwise_identical(tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(command(whole), check=True, timeout=600, capture_output=True)
+
+    kill_after_second_checkpoint(command(killed), killed)
 
     subprocess.run(command(killed), check=True, timeout=600, capture_output=True)
     for got, want in zip(final_params(killed), final_params(whole), strict=True):
@@ -135,21 +140,7 @@ def test_sigkill_mid_opd_then_resume_is_bitwise_identical_and_exactly_once(tmp_p
         opd_command(whole, teacher_run, student_run), check=True, timeout=600, capture_output=True
     )
 
-    process = subprocess.Popen(
-        opd_command(killed, teacher_run, student_run),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 300
-    while not (killed / "checkpoints" / "4").is_dir():
-        assert process.poll() is None, process.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL
-    steps = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps and steps[-1] < 12
+    kill_after_second_checkpoint(opd_command(killed, teacher_run, student_run), killed)
 
     subprocess.run(
         opd_command(killed, teacher_run, student_run), check=True, timeout=600, capture_output=True
