@@ -8,7 +8,8 @@
   scored on the prompt + completion through the first stop only (nothing after the stop is
   seen); task rewards and group ids for GRPO.
 - :func:`opd_update` replays the trace under the live student (packed, block-sparse; with
-  the full sampling distributions for the distribution kinds) and, when the loss has a
+  the full sampling distributions for the full-vocabulary kinds, or its log-probs at the
+  teacher's top-k ids for the top-k kinds) and, when the loss has a
   reference KL, under the frozen reference student; evaluates the configured
   :class:`~distill.losses.OpdLoss` with the trace's ``action_logps`` as behaviour log-probs;
   applies one optimizer update.
@@ -222,7 +223,11 @@ def _loss_inputs(
             available["teacher_log_probs"] = _full_teacher(ids, logps, vocab)
         else:
             available |= {"teacher_topk_ids": ids, "teacher_topk_logps": logps}
-    return weights, {name: available.get(name) for name in loss.required_inputs()}
+    inputs = {name: available.get(name) for name in loss.required_inputs()}
+    if replayed.gathered_logps is not None:  # top-k: the student at the teacher's ids only
+        del inputs["student_log_probs"]
+        inputs["student_topk_logps"] = replayed.gathered_logps
+    return weights, inputs
 
 
 @functools.partial(
@@ -243,7 +248,12 @@ def _opd_step(
     optimizer, model = nnx.merge(graphdef, state)
     graph, params, rest = nnx.split(model, nnx.Param, ...)
     trace = prepared.trace
-    distributions = loss.kind != "reverse_kl"
+    # Full kinds need the student's whole distribution; top-k kinds only its log-probs at
+    # the teacher's ids (never [B, N, V]); reverse_kl only the actions'.
+    distributions = loss.kind != "reverse_kl" and loss.teacher_top_k is None
+    gather_ids = None
+    if loss.kind != "reverse_kl" and loss.teacher_top_k is not None:
+        gather_ids = prepared.teacher_topk_ids
     reference_logps = None
     if reference_graphdef is not None:
         reference = nnx.merge(reference_graphdef, reference_state)
@@ -254,7 +264,11 @@ def _opd_step(
     def objective(params):
         student = nnx.merge(graph, params, rest)
         replayed = replay_completion(
-            student, trace, num_chunks=num_chunks, distributions=distributions
+            student,
+            trace,
+            num_chunks=num_chunks,
+            distributions=distributions,
+            gather_ids=gather_ids,
         )
         weights, inputs = _loss_inputs(loss, replayed, prepared, reference_logps)
         terms = loss(weights, **inputs)

@@ -208,12 +208,15 @@ class CompletionReplay:
     order): ``slots`` ``[B, N]`` int32 (row slot of each completion position), ``present``
     ``[B, N]`` bool, ``logps`` ``[B, N]`` float32 (each action's log-prob, 0 where not
     present) and, when asked for, ``log_probs`` ``[B, N, V]`` float32: the full sampling
-    distribution (rollout temperature, mask id excluded) each action was drawn from."""
+    distribution (rollout temperature, mask id excluded) each action was drawn from, or
+    ``gathered_logps`` ``[B, N, k]``: that distribution at k given ids per token (-inf at the
+    mask id), without materializing ``[B, N, V]``."""
 
     slots: jax.Array
     present: jax.Array
     logps: jax.Array
     log_probs: jax.Array | None = None
+    gathered_logps: jax.Array | None = None
 
     def scatter(self, values: jax.Array, length: int) -> jax.Array:
         """``[B, N]`` completion values -> ``[B, length]`` row layout (0 elsewhere)."""
@@ -259,13 +262,15 @@ def replay_completion(
     *,
     num_chunks: int,
     distributions: bool = False,
+    gather_ids: jax.Array | None = None,
     dense: bool = False,
     chunks_per_forward: int | None = None,
     vocab_chunk: int | None = 4096,
 ) -> CompletionReplay:
     """:func:`replay_packed` in completion space; ``distributions=True`` also returns the
-    full ``[B, N, V]`` sampling distributions (for the full-vocabulary and top-k losses:
-    memory grows with the vocabulary, which the log-prob path never materializes)."""
+    full ``[B, N, V]`` sampling distributions (for the full-vocabulary losses: memory grows
+    with the vocabulary); ``gather_ids`` ``[B, L, k]`` (row layout, e.g. a teacher's top-k
+    ids) returns the distribution at those ids only (chunked log-sum-exp, as for actions)."""
     if chunks_per_forward is not None and (
         chunks_per_forward < 1 or num_chunks % chunks_per_forward
     ):
@@ -315,9 +320,23 @@ def replay_completion(
     picked = jnp.take_along_axis(hidden, jnp.maximum(source_index, 0)[..., None], axis=1)
     targets = jnp.take_along_axis(trace.tokens, slots, axis=1)
     logp = jnp.where(present, _log_probs(model, picked, targets, trace, vocab_chunk), 0.0)
+    gathered = None
+    if gather_ids is not None:
+        ids = jnp.take_along_axis(gather_ids, slots[..., None], axis=1)
+        gathered = gathered_log_probs(
+            picked,
+            model.output_embedding(),
+            ids,
+            temperature=trace.settings.temperature,
+            excluded_id=trace.settings.mask_id,
+            vocab_chunk=vocab_chunk,
+        )
+        gathered = jnp.where(ids == trace.settings.mask_id, -jnp.inf, gathered)
     log_probs = None
     if distributions:
         logits = model.logits(picked) / trace.settings.temperature
         logits = logits.at[..., trace.settings.mask_id].set(-jnp.inf)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
-    return CompletionReplay(slots=slots, present=present, logps=logp, log_probs=log_probs)
+    return CompletionReplay(
+        slots=slots, present=present, logps=logp, log_probs=log_probs, gathered_logps=gathered
+    )

@@ -20,15 +20,19 @@ def gathered_log_probs(
     excluded_id: int | None = None,
     vocab_chunk: int | None = 4096,
 ) -> jax.Array:
-    """``log softmax(hidden @ output_embedding / temperature)[targets]``, float32 ``[B, N]``.
+    """``log softmax(hidden @ output_embedding / temperature)[targets]``, float32, shaped
+    like ``targets``.
 
-    ``hidden`` ``[B, N, d]``; ``output_embedding`` ``[d, V]``; ``targets`` ``[B, N]`` int.
-    ``excluded_id`` (the mask id) gets probability zero before normalizing.
-    ``vocab_chunk=None`` computes the full logits at once (the dense reference).
+    ``hidden`` ``[B, N, d]``; ``output_embedding`` ``[d, V]``; ``targets`` ``[B, N]`` int, or
+    ``[B, N, k]`` for k ids per position (e.g. a teacher's top-k), sharing one log-sum-exp.
+    ``excluded_id`` (the mask id) gets probability zero before normalizing (a target equal
+    to it is the caller's to handle: its value here is not -inf). ``vocab_chunk=None`` computes the full logits at once (the dense
+    reference).
     """
-    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
+    if hidden.ndim != 3 or targets.ndim not in (2, 3) or targets.shape[:2] != hidden.shape[:2]:
         raise ValueError(
-            f"`targets` must be [B, N] matching hidden {hidden.shape[:2]}; received {targets.shape}"
+            f"`targets` must be [B, N] or [B, N, k] matching hidden {hidden.shape[:2]}; "
+            f"received {targets.shape}"
         )
     if temperature <= 0:
         raise ValueError(f"`temperature` must be > 0; received {temperature}")
@@ -39,7 +43,8 @@ def gathered_log_probs(
         )
     h = hidden.astype(jnp.float32)
     weights = output_embedding.astype(jnp.float32)
-    chosen = jnp.einsum("bnd,dbn->bn", h, jnp.take(weights, targets, axis=1)) / temperature
+    target_columns = jnp.take(weights, targets, axis=1)  # [d, B, N(, k)]
+    chosen = jnp.einsum("bnd,dbn...->bn...", h, target_columns) / temperature
 
     def chunk_lse(columns: jax.Array, ids: jax.Array) -> jax.Array:
         logits = jnp.einsum("bnd,dv->bnv", h, columns) / temperature
@@ -48,7 +53,8 @@ def gathered_log_probs(
         return jax.nn.logsumexp(logits, axis=-1)
 
     if vocab_chunk is None or vocab_chunk >= vocab:
-        return chosen - chunk_lse(weights, jnp.arange(vocab))
+        lse = chunk_lse(weights, jnp.arange(vocab))
+        return chosen - lse.reshape(lse.shape + (1,) * (targets.ndim - 2))
     # Walk the vocabulary in place (dynamic slices of W, no padded or transposed copy); a
     # remainder shorter than a chunk is one more static slice.
     n_full = vocab // vocab_chunk
@@ -64,4 +70,4 @@ def gathered_log_probs(
     if vocab % vocab_chunk:
         tail = n_full * vocab_chunk
         lse = jnp.logaddexp(lse, chunk_lse(weights[:, tail:], jnp.arange(tail, vocab)))
-    return chosen - lse
+    return chosen - lse.reshape(lse.shape + (1,) * (targets.ndim - 2))

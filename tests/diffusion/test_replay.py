@@ -191,3 +191,34 @@ def test_heterogeneous_completion_lengths_replay_exactly(student, tokenizer, pro
     assert np.asarray(trace.completion_mask).sum(axis=1).tolist() == lengths
     n = replay.num_steps_bucket(trace)
     np.testing.assert_allclose(packed(student, trace, n), trace.action_logps, atol=1e-5)
+
+
+@functools.partial(nnx.jit, static_argnames=("num_chunks",))
+def completion_views(model, trace, ids, num_chunks):
+    return replay.replay_completion(
+        model, trace, num_chunks=num_chunks, distributions=True, gather_ids=ids
+    )
+
+
+def test_completion_replay_distributions_and_gathered_ids_agree_with_the_actions(
+    student, stochastic_case, tokenizer
+):
+    trace = stochastic_case
+    vocab, mask_id = tokenizer.vocab_size, trace.settings.mask_id
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, size=(*trace.tokens.shape, 5)).astype(np.int32)
+    ids[..., 0] = mask_id  # the student never samples the mask: -inf there
+    views = completion_views(student, trace, jnp.asarray(ids), replay.num_steps_bucket(trace))
+    present = np.asarray(views.present)
+    full = np.asarray(views.log_probs)
+    actions = np.take_along_axis(np.asarray(trace.tokens), np.asarray(views.slots), axis=1)
+    at_actions = np.take_along_axis(full, actions[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(at_actions[present], np.asarray(views.logps)[present], atol=1e-5)
+    at_ids = np.take_along_axis(ids, np.asarray(views.slots)[..., None], axis=1)
+    gathered = np.asarray(views.gathered_logps)
+    np.testing.assert_allclose(
+        gathered[present][:, 1:],
+        np.take_along_axis(full, at_ids, axis=-1)[present][:, 1:],
+        atol=1e-5,
+    )
+    assert np.all(gathered[present][:, 0] == -np.inf)
