@@ -3,16 +3,21 @@
 A run directory holds ``contract.json`` (everything that must not change across a resume:
 tokenizer hash, model configs, objective / loss / rollout / optimizer configs, data stream
 spec, stop ids, seeds, topology) and ``checkpoints/<step>/`` written by an Orbax
-``CheckpointManager``: the model and optimizer state (``state``) and a JSON record
-(``progress``: step, data position, policy version, metrics).
+``CheckpointManager``: the model and optimizer state (``state``), a JSON record
+(``progress``: step, data position, policy version, metrics) and a copy of the contract the
+step was written under (``contract``), so the contract travels with the weights.
 
 - Saves are atomic (Orbax writes a temporary directory and renames it) and synchronous, so a
   step counted as saved is on disk; ``max_to_keep`` bounds disk use.
 - :meth:`RunCheckpointer.open` refuses a directory whose contract differs from the given one,
-  listing every differing field with its old and new value; nothing is loaded.
+  listing every differing field with its old and new value, and a directory that holds
+  checkpoints but no ``contract.json``; nothing is loaded.
 - :meth:`RunCheckpointer.restore_latest` restores into fresh arrays and only then updates the
   live objects: a truncated or corrupt latest step is reported and the newest good step
   before it is used, never a half-loaded state.
+- :meth:`RunCheckpointer.restore_latest` refuses a step whose own ``contract`` differs
+  from the live one (a replaced ``contract.json``), before its state is read. Steps written
+  before checkpoints carried a contract are checked against ``contract.json`` only.
 """
 
 from __future__ import annotations
@@ -43,6 +48,18 @@ class ContractMismatch(ValueError):
             for field, (saved, given) in sorted(self.differences.items())
         ]
         super().__init__("run contract differs:\n" + "\n".join(lines))
+
+
+class ContractMissing(ContractMismatch):
+    """A run directory holds checkpoints but not the contract they were written under."""
+
+    def __init__(self, directory: Path):
+        self.differences = {}
+        ValueError.__init__(
+            self,
+            f"`{CONTRACT_FILE}` must exist in a run directory that holds checkpoints; "
+            f"received none in {directory}",
+        )
 
 
 class CheckpointError(RuntimeError):
@@ -130,14 +147,19 @@ class RunCheckpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True
             ),
-            item_names=("state", "progress"),
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "progress": ocp.JsonCheckpointHandler(),
+                "contract": ocp.JsonCheckpointHandler(),
+            },
         )
 
     @classmethod
     def open(
         cls, directory: str | Path, contract: Mapping[str, Any], max_to_keep: int = 3
     ) -> RunCheckpointer:
-        """Open (or start) a run; an existing run must have an identical contract."""
+        """Open (or start) a run; an existing run must have an identical contract, and a
+        directory that already holds checkpoints must have its ``contract.json``."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         contract_path = path / CONTRACT_FILE
@@ -147,6 +169,11 @@ class RunCheckpointer:
             if differences:
                 raise ContractMismatch(differences)
         else:
+            # Writing a fresh contract here would adopt old weights under any setup; even a
+            # leftover temporary step means a run was started under some other contract.
+            checkpoints = path / "checkpoints"
+            if checkpoints.is_dir() and any(checkpoints.iterdir()):
+                raise ContractMissing(path.absolute())
             temporary = contract_path.with_suffix(".tmp")
             temporary.write_text(json.dumps(contract, indent=2, sort_keys=True))
             temporary.replace(contract_path)
@@ -169,16 +196,46 @@ class RunCheckpointer:
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(pure),
                 progress=ocp.args.JsonSave(dict(progress) | {"step": step}),
+                contract=ocp.args.JsonSave(self.contract),
             ),
             force=True,
         )
         self._manager.wait_until_finished()
 
+    def _saved_contract(self, step: int) -> dict[str, Any] | None:
+        """The contract stored with ``step``; None for a step written before checkpoints
+        carried one."""
+        step_path = ocp.step.find_step_path(
+            self._manager.directory, ocp.step.standard_name_format(), step=step
+        )
+        if not (step_path / "contract").exists():
+            return None
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(contract=ocp.args.JsonRestore())
+        )
+        return dict(restored.contract)
+
     def restore_latest(self, state: Any) -> Restored | None:
         """Restore the newest restorable step into ``state`` (in place); None when the run
-        has no checkpoint. Corrupt newer steps are skipped with a warning."""
+        has no checkpoint. Corrupt newer steps are skipped with a warning. Raises
+        :class:`ContractMismatch` when the step's stored contract differs from this run's."""
         skipped: list[int] = []
+
+        def skip(step: int, error: Exception) -> None:
+            logger.warning("checkpoint step %d is unreadable (%s); trying older", step, error)
+            skipped.append(step)
+            self._unreadable.add(step)
+
         for step in reversed(self.steps):
+            try:
+                saved = self._saved_contract(step)
+            except Exception as error:  # noqa: BLE001 - any failure means "not restorable"
+                skip(step, error)
+                continue
+            # Checked before the state is read: weights of another setup are never loaded.
+            differences = {} if saved is None else contract_differences(saved, self.contract)
+            if differences:
+                raise ContractMismatch(differences)
             target = nnx.state(state)
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(target))
             try:
@@ -190,9 +247,7 @@ class RunCheckpointer:
                     ),
                 )
             except Exception as error:  # noqa: BLE001 - any failure means "not restorable"
-                logger.warning("checkpoint step %d is unreadable (%s); trying older", step, error)
-                skipped.append(step)
-                self._unreadable.add(step)
+                skip(step, error)
                 continue
             nnx.replace_by_pure_dict(target, restored.state)
             nnx.update(state, target)

@@ -5,11 +5,17 @@ import shutil
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 from distill import pipeline
-from distill.checkpoint import ContractMismatch, RunCheckpointer, contract_differences
+from distill.checkpoint import (
+    CONTRACT_FILE,
+    ContractMismatch,
+    RunCheckpointer,
+    contract_differences,
+)
 from distill.config import JobConfig, load_config
 
 SHORT = [
@@ -119,3 +125,79 @@ def test_student_warmup_refuses_to_resume_from_a_different_teacher(tmp_path):
     other = pipeline.Transformer(job.teacher, rngs=nnx.Rngs(1))
     with pytest.raises(ContractMismatch, match="`teacher_hash`"):
         pipeline.warmup_student(job, tmp_path, teacher=other, **silent)
+
+
+# ---- the contract travels with the checkpoint --------------------------------------------
+
+CONTRACT = {"teacher_hash": "aaaa", "rollout": {"block_size": 4, "temperature": 1.0}}
+OTHER_TEACHER = CONTRACT | {"teacher_hash": "bbbb"}
+
+
+def small_model(seed):
+    return nnx.Linear(3, 2, rngs=nnx.Rngs(seed))
+
+
+def write_run(directory, contract=CONTRACT, step=1):
+    checkpointer = RunCheckpointer.open(directory, contract)
+    checkpointer.save(step, small_model(0), {"data_position": step})
+    checkpointer.close()
+
+
+def test_a_run_whose_contract_json_is_missing_is_refused_by_name(tmp_path):
+    write_run(tmp_path)
+    (tmp_path / CONTRACT_FILE).unlink()
+    for contract in (OTHER_TEACHER, CONTRACT):  # the missing file alone is the refusal
+        with pytest.raises(ContractMismatch, match=f"^`{CONTRACT_FILE}` must exist"):
+            RunCheckpointer.open(tmp_path, contract)
+    assert not (tmp_path / CONTRACT_FILE).exists()
+
+
+def test_a_checkpoint_whose_stored_contract_differs_is_refused_by_field(tmp_path):
+    write_run(tmp_path)
+    (tmp_path / CONTRACT_FILE).write_text(json.dumps(OTHER_TEACHER))  # a replaced contract
+    checkpointer = RunCheckpointer.open(tmp_path, OTHER_TEACHER)
+    model = small_model(1)
+    before = params(model)
+    with pytest.raises(ContractMismatch, match="`teacher_hash` must equal .*'aaaa'"):
+        checkpointer.restore_latest(model)
+    for got, want in zip(params(model), before, strict=True):
+        np.testing.assert_array_equal(got, want)  # nothing loaded
+    checkpointer.close()
+
+
+def test_a_checkpoint_carries_the_contract_it_was_written_under(tmp_path):
+    write_run(tmp_path, step=3)
+    stored = json.loads((tmp_path / "checkpoints" / "3" / "contract" / "metadata").read_text())
+    assert stored == CONTRACT
+    checkpointer = RunCheckpointer.open(tmp_path, CONTRACT)
+    model = small_model(1)
+    assert checkpointer.restore_latest(model).step == 3
+    for got, want in zip(params(model), params(small_model(0)), strict=True):
+        np.testing.assert_array_equal(got, want)
+    checkpointer.close()
+
+
+def test_a_checkpoint_written_before_contracts_were_stored_still_restores(tmp_path):
+    (tmp_path / CONTRACT_FILE).write_text(json.dumps(CONTRACT))
+    legacy = ocp.CheckpointManager(  # the layout of earlier runs: state and progress only
+        tmp_path / "checkpoints",
+        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
+        item_names=("state", "progress"),
+    )
+    pure = nnx.to_pure_dict(nnx.state(small_model(0)))
+    legacy.save(
+        2,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(pure), progress=ocp.args.JsonSave({"step": 2})
+        ),
+    )
+    legacy.wait_until_finished()
+    legacy.close()
+    with pytest.raises(ContractMismatch, match="`teacher_hash`"):
+        RunCheckpointer.open(tmp_path, OTHER_TEACHER)
+    checkpointer = RunCheckpointer.open(tmp_path, CONTRACT)
+    model = small_model(1)
+    assert checkpointer.restore_latest(model).step == 2
+    for got, want in zip(params(model), params(small_model(0)), strict=True):
+        np.testing.assert_array_equal(got, want)
+    checkpointer.close()

@@ -57,6 +57,7 @@ from flax import nnx
 from distill.config import RolloutConfig, check_contract
 from distill.diffusion.layout import BlockLayout, build_rollout_layout
 from distill.models.kv_cache import KVCache
+from distill.models.logprobs import tempered_log_softmax
 from distill.models.transformer import Transformer
 from distill.tokenizer import SpecialIds
 
@@ -163,8 +164,9 @@ def row_keys(seed: int, global_step: int, mode: Mode, row_ids: Sequence[int]) ->
 
 
 def _tempered_log_probs(logits: jax.Array, settings: SamplingSettings) -> jax.Array:
-    logits = logits.at[..., settings.mask_id].set(NEG_INF)
-    return jax.nn.log_softmax(logits / settings.temperature, axis=-1)
+    # Normalized as replay gathers (max-shifted before the temperature), so the recorded
+    # action log-probs replay to float32 precision at any logit scale.
+    return tempered_log_softmax(logits, settings.temperature, settings.mask_id)
 
 
 def _propose(

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from distill.diffusion.denoise import Trace
-from distill.models.logprobs import gathered_log_probs
+from distill.models.logprobs import gathered_log_probs, tempered_log_softmax
 from distill.models.masks import pack_canvas_chunks
 from distill.models.transformer import Transformer
 
@@ -46,7 +46,8 @@ def validate_trace(trace: Trace, vocab_size: int | None = None) -> None:
 
     Checks: one segment per row with logical positions 0..n-1 in slot order, windows aligned
     to blocks, a non-empty prompt followed by a non-empty contiguous completion, action
-    steps exactly on the completion, each step inside one block, steps 0..S-1 all used, no
+    steps exactly on the completion, each step inside one block, steps 0..S-1 all used,
+    blocks committed in order (every step of a block before any step of a later block), no
     mask id left in the completion, finite action log-probs, ids inside the vocabulary.
     """
     tokens = np.asarray(trace.tokens)
@@ -104,10 +105,23 @@ def validate_trace(trace: Trace, vocab_size: int | None = None) -> None:
         used = np.unique(steps[row][completion[row]])
         if not np.array_equal(used, np.arange(len(used))):
             raise fail("action_steps", "use every step 0..S-1", used)
+        blocks = []  # the logical block of each step
         for step in used:
-            windows = np.unique(np.flatnonzero(steps[row] == step) // size)
-            if len(windows) != 1:
+            committed = np.flatnonzero(steps[row] == step)
+            if len(np.unique(committed // size)) != 1:
                 raise fail("action_steps", "commit each step inside one block", step)
+            blocks.append(int(positions[row][committed[0]]) // size)
+        # Replay scores block b against clean blocks < b: exact only if they were all
+        # committed before block b's first step.
+        late = np.flatnonzero(np.diff(blocks) < 0)
+        if late.size:
+            step = int(used[late[0] + 1])
+            raise fail(
+                "action_steps",
+                "commit blocks in order, every step of a block before any step of a later one",
+                f"step {step} in block {blocks[step]} after step {step - 1} in block "
+                f"{blocks[step - 1]}",
+            )
         if (tokens[row][completion[row]] == mask_id).any():
             raise fail("tokens", f"hold no mask id {mask_id} in the completion", "a mask")
         if not np.isfinite(logps[row][completion[row]]).all():
@@ -334,9 +348,9 @@ def replay_completion(
         gathered = jnp.where(ids == trace.settings.mask_id, -jnp.inf, gathered)
     log_probs = None
     if distributions:
-        logits = model.logits(picked) / trace.settings.temperature
-        logits = logits.at[..., trace.settings.mask_id].set(-jnp.inf)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        log_probs = tempered_log_softmax(
+            model.logits(picked), trace.settings.temperature, trace.settings.mask_id
+        )
     return CompletionReplay(
         slots=slots, present=present, logps=logp, log_probs=log_probs, gathered_logps=gathered
     )

@@ -3,12 +3,38 @@
 The output projection is applied one vocabulary chunk at a time with an online
 log-sum-exp (``lax.scan`` with a rematerialized body), so memory grows with
 ``B * N * vocab_chunk`` instead of ``B * N * V``, in the forward and in the gradient.
+
+Precision does not depend on the logit scale: the row maximum is subtracted from the raw
+logits (the chosen one read from the same logits as the maximum) before the temperature is
+applied, so a confident token's log-prob is ``-log(sum)`` with no term of the size of the
+logits. Subtracting two separately rounded values near the logit scale instead
+(``logit - logsumexp``, or ``logits / T - max`` which XLA may contract into one
+fused multiply-add) errs by about ``|logit| * eps``: 1e-4 at logits near 1000. Rollout and
+replay both normalize this way (:func:`tempered_log_softmax`, :func:`gathered_log_probs`),
+so they agree to float32 precision at any logit scale.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def tempered_log_softmax(
+    logits: jax.Array, temperature: float = 1.0, excluded_id: int | None = None
+) -> jax.Array:
+    """``log softmax(logits / temperature)`` over the last axis, float32, with
+    ``excluded_id`` (the mask id) at -inf: the full-vocabulary twin of
+    :func:`gathered_log_probs`, rounded the same way."""
+    if temperature <= 0:
+        raise ValueError(f"`temperature` must be > 0; received {temperature}")
+    logits = logits.astype(jnp.float32)
+    if excluded_id is not None:
+        logits = logits.at[..., excluded_id].set(-jnp.inf)
+    # The result does not depend on the shift, so it carries no gradient.
+    top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+    shifted = (logits - top) / temperature
+    return shifted - jnp.log(jnp.exp(shifted).sum(-1, keepdims=True))
 
 
 def gathered_log_probs(
@@ -26,7 +52,8 @@ def gathered_log_probs(
     ``hidden`` ``[B, N, d]``; ``output_embedding`` ``[d, V]``; ``targets`` ``[B, N]`` int, or
     ``[B, N, k]`` for k ids per position (e.g. a teacher's top-k), sharing one log-sum-exp.
     ``excluded_id`` (the mask id) gets probability zero before normalizing (a target equal
-    to it is the caller's to handle: its value here is not -inf). ``vocab_chunk=None`` computes the full logits at once (the dense
+    to it is the caller's to handle: its value here is not -inf). A target outside
+    ``[0, V)`` gives NaN. ``vocab_chunk=None`` computes the full logits at once (the dense
     reference).
     """
     if hidden.ndim != 3 or targets.ndim not in (2, 3) or targets.shape[:2] != hidden.shape[:2]:
@@ -43,31 +70,52 @@ def gathered_log_probs(
         )
     h = hidden.astype(jnp.float32)
     weights = output_embedding.astype(jnp.float32)
-    target_columns = jnp.take(weights, targets, axis=1)  # [d, B, N(, k)]
-    chosen = jnp.einsum("bnd,dbn...->bn...", h, target_columns) / temperature
+    ids = targets if targets.ndim == 3 else targets[..., None]  # [B, N, k]
 
-    def chunk_lse(columns: jax.Array, ids: jax.Array) -> jax.Array:
-        logits = jnp.einsum("bnd,dv->bnv", h, columns) / temperature
+    def absorb(carry, columns: jax.Array, start):
+        """Fold the vocabulary chunk ``[start, start + width)`` into the running maximum of
+        the raw logits (``top``), the sum of ``exp((logit - top) / T)`` and the targets' raw
+        logits."""
+        top, total, chosen = carry
+        width = columns.shape[1]
+        logits = jnp.einsum("bnd,dv->bnv", h, columns)
+        local = ids - start
+        found = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1), axis=-1)
+        chosen = jnp.where((local >= 0) & (local < width), found, chosen)
         if excluded_id is not None:
-            logits = jnp.where(ids == excluded_id, -jnp.inf, logits)
-        return jax.nn.logsumexp(logits, axis=-1)
+            logits = jnp.where(start + jnp.arange(width) == excluded_id, -jnp.inf, logits)
+        # The result does not depend on the shift, so it carries no gradient (as in
+        # jax.nn.logsumexp); the chosen logits and the sum still do.
+        new_top = jnp.maximum(top, jax.lax.stop_gradient(logits.max(-1)))
+        shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)  # no inf - inf before any logit
+        rescale = jnp.exp((top - shift) / temperature)
+        total = total * rescale + jnp.exp((logits - shift[..., None]) / temperature).sum(-1)
+        return new_top, total, chosen
 
+    rows = h.shape[:2]
+    carry = (
+        jnp.full(rows, -jnp.inf, jnp.float32),
+        jnp.zeros(rows, jnp.float32),
+        jnp.full(ids.shape, jnp.nan, jnp.float32),  # stays NaN for an id outside [0, V)
+    )
     if vocab_chunk is None or vocab_chunk >= vocab:
-        lse = chunk_lse(weights, jnp.arange(vocab))
-        return chosen - lse.reshape(lse.shape + (1,) * (targets.ndim - 2))
-    # Walk the vocabulary in place (dynamic slices of W, no padded or transposed copy); a
-    # remainder shorter than a chunk is one more static slice.
-    n_full = vocab // vocab_chunk
+        carry = absorb(carry, weights, 0)
+    else:
+        # Walk the vocabulary in place (dynamic slices of W, no padded or transposed copy);
+        # a remainder shorter than a chunk is one more static slice.
+        n_full = vocab // vocab_chunk
 
-    @jax.checkpoint
-    def body(running, index):
-        start = index * vocab_chunk
-        columns = jax.lax.dynamic_slice_in_dim(weights, start, vocab_chunk, axis=1)
-        ids = start + jnp.arange(vocab_chunk)
-        return jnp.logaddexp(running, chunk_lse(columns, ids)), None
+        @jax.checkpoint
+        def body(carry, index):
+            start = index * vocab_chunk
+            columns = jax.lax.dynamic_slice_in_dim(weights, start, vocab_chunk, axis=1)
+            return absorb(carry, columns, start), None
 
-    lse, _ = jax.lax.scan(body, jnp.full(h.shape[:2], -jnp.inf, jnp.float32), jnp.arange(n_full))
-    if vocab % vocab_chunk:
-        tail = n_full * vocab_chunk
-        lse = jnp.logaddexp(lse, chunk_lse(weights[:, tail:], jnp.arange(tail, vocab)))
-    return chosen - lse.reshape(lse.shape + (1,) * (targets.ndim - 2))
+        carry, _ = jax.lax.scan(body, carry, jnp.arange(n_full))
+        if vocab % vocab_chunk:
+            tail = n_full * vocab_chunk
+            carry = absorb(carry, weights[:, tail:], tail)
+    top, total, chosen = carry
+    # The temperature comes after the shift: a target at the row maximum gives exactly 0.
+    log_probs = (chosen - top[..., None]) / temperature - jnp.log(total)[..., None]
+    return log_probs if targets.ndim == 3 else log_probs[..., 0]

@@ -100,6 +100,28 @@ def test_gradient_through_replay_is_finite_and_non_zero(student, stochastic_case
     assert sum(float(jnp.abs(leaf).sum()) for leaf in leaves) > 0
 
 
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_replay_equals_rollout_at_a_logit_scale_near_1000(student, tokenizer, prompts, contract):
+    """Rollout and replay agree to 1e-5 when logits are large (the final norm scaled so the
+    largest logit is about 1000): neither side subtracts two values of the logits' size."""
+    probe = make_trace(student, tokenizer, prompts, *contract, greedy=False)
+    hidden = student.hidden_states(probe.tokens, probe.positions, probe.segment_ids)
+    loud = nnx.clone(student)
+    loud.final_norm.scale[...] = loud.final_norm.scale[...] * (
+        1000.0 / float(jnp.abs(student.logits(hidden)).max())
+    )
+    trace = make_trace(loud, tokenizer, prompts, *contract, greedy=False)
+    replay.validate_trace(trace, tokenizer.vocab_size)
+    hidden = loud.hidden_states(trace.tokens, trace.positions, trace.segment_ids)
+    assert 500 < float(jnp.abs(loud.logits(hidden)).max()) < 2000
+    n = replay.num_steps_bucket(trace)
+    np.testing.assert_allclose(per_step(loud, trace, n), trace.action_logps, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed(loud, trace, n), trace.action_logps, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        packed(loud, trace, n, dense=True), trace.action_logps, atol=1e-5, rtol=0
+    )
+
+
 def test_replay_under_other_parameters_gives_other_log_probs(student, case):
     other = nnx.clone(student)
     other.layers[0].mlp.up_proj.kernel[...] = other.layers[0].mlp.up_proj.kernel[...] * 3.0
@@ -166,6 +188,31 @@ def test_action_steps_that_do_not_match_the_completion_are_refused(valid_trace):
         replay.validate_trace(trace)
     trace = edited(valid_trace, "action_steps", lambda steps: steps.__setitem__((0, slot), 50))
     with pytest.raises(replay.TraceError, match="`trace.action_steps`"):
+        replay.validate_trace(trace)
+
+
+def test_blocks_committed_out_of_order_are_refused(valid_trace):
+    """A real trace with its first two blocks' step numbers swapped: every other check still
+    holds, but replay would score the later block against a clean earlier block that the
+    rollout had not committed yet."""
+    steps = np.asarray(valid_trace.action_steps)
+    window = np.arange(steps.shape[1]) // valid_trace.block_size
+    row = next(r for r in range(len(steps)) if len(np.unique(window[steps[r] >= 0])) >= 2)
+    first, second = np.unique(window[steps[row] >= 0])[:2]
+    in_first = (steps[row] >= 0) & (window == first)
+    in_second = (steps[row] >= 0) & (window == second)
+    n_first = len(np.unique(steps[row][in_first]))
+    n_second = len(np.unique(steps[row][in_second]))
+
+    def swap(array):  # the same steps 0..S-1, each inside one block; the blocks reversed
+        array[row, in_second] -= n_first
+        array[row, in_first] += n_second
+
+    trace = edited(valid_trace, "action_steps", swap)
+    with pytest.raises(
+        replay.TraceError,
+        match=rf"^`trace.action_steps` must commit blocks in order.*\(row {row}\); got step",
+    ):
         replay.validate_trace(trace)
 
 
