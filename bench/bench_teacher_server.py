@@ -4,9 +4,10 @@ One causal teacher, one workload: ``--requests`` score requests of ``--seqs-per-
 random sequences of ``--seq-len`` ids each (``--top-k`` 0: log-probs only). Three ways to
 score it, all giving the same log-probs:
 
-- served: ``--clients`` threads, each with its own :class:`~services.client.RemoteTeacher`,
-  send the requests concurrently to a :func:`~services.teacher.serve_teacher` server on
-  127.0.0.1 (no token, no TLS); its batcher groups them into teacher calls of up to
+- served: ``--clients`` threads, each with its own
+  :class:`~services.teacher.client.RemoteTeacher`, send the requests concurrently to a
+  :func:`~services.teacher.server.serve_teacher` server on 127.0.0.1 (no token, no TLS); its
+  batcher groups them into teacher calls of up to
   ``--max-batch-sequences`` sequences. This is what learners talking to a teacher server pay
   (serialization, loopback transport, queueing) and gain (batching across callers).
 - in-process, per request: ``InProcessTeacher.score`` called once per request, one after
@@ -46,8 +47,8 @@ from distill.config import ModelConfig  # noqa: E402
 from distill.models.transformer import Transformer  # noqa: E402
 from distill.teacher import InProcessTeacher  # noqa: E402
 from distill.tokenizer import CharTokenizer  # noqa: E402
-from services.client import RemoteTeacher  # noqa: E402
-from services.teacher import TeacherServerConfig, serve_teacher  # noqa: E402
+from services.teacher.client import RemoteTeacher  # noqa: E402
+from services.teacher.server import TeacherServerConfig, serve_teacher  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

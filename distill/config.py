@@ -88,8 +88,11 @@ def check_contract(alignment: str, canvas: str, *, prefix: str = "") -> None:
 _NESTING: contextvars.ContextVar[int] = contextvars.ContextVar("config_nesting", default=0)
 
 
-class _Config(BaseModel):
-    """Base: frozen, no unknown fields, errors re-raised as :class:`ConfigError`."""
+class ConfigModel(BaseModel):
+    """Base of every config (here and in ``services/``): frozen, no unknown fields, errors
+    re-raised as :class:`ConfigError` with one "`field` must ...; received ..." line per
+    problem (``section`` prefixes the fields). Validators raise ``ValueError`` with that
+    wording, the field relative to their own model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
     section: ClassVar[str] = ""
@@ -112,6 +115,9 @@ class _Config(BaseModel):
         if data is not None and not isinstance(data, Mapping):
             raise ConfigError(f"`{cls.section or 'config'}` must be a mapping; received {data!r}")
         return cls(**dict(data or {}))
+
+
+_Config = ConfigModel  # the name the configs below were written against
 
 
 class ModelConfig(_Config):
@@ -189,7 +195,9 @@ class RolloutConfig(_Config):
     strategy: ScheduleStrategy = "confidence"
     temperature: float = Field(default=1.0, ge=0.0)
     greedy: bool = False
-    max_completion_length: int = Field(default=32, gt=0)
+    # None: the longest answer the job's tasks can have (see distill/job.py); set it to cap
+    # (or extend) the completion horizon of every rollout and evaluation.
+    max_completion_length: int | None = Field(default=None, gt=0)
     stop_when_done: bool = True
     top_k: int | None = Field(default=None, gt=0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -247,6 +255,10 @@ class LossConfig(_Config):
     teacher_top_k: int | None = Field(default=None, gt=0)
     task_reward_weight: float = Field(default=0.0, ge=0.0)
     kl_reference_weight: float = Field(default=0.0, ge=0.0)
+    # Policy versions a rollout may lag the learner by when it is trained (0: strictly
+    # on-policy, rollout and update alternate; 1: rollouts of step t+1 overlap step t's
+    # update). Older traces are dropped and counted; younger ones are importance-corrected
+    # with the trace's behaviour log-probs (the `ratio` of the policy gradient).
     max_staleness: int = Field(default=1, ge=0)
     # Rollouts per prompt: each batch holds data.batch_size prompts x group_size rows; the
     # GRPO task reward is normalized within each prompt's group.
@@ -345,6 +357,15 @@ class JobConfig(_Config):
         if self.student.attention_type != "block_diffusion":
             raise _field_error(
                 "student.attention_type", "be 'block_diffusion'", self.student.attention_type
+            )
+        if self.opd.optimizer.microbatches != 1:
+            # The default advantages (return-to-go, sequence, GRPO) are normalized over the
+            # whole batch, so row slices do not add up to the batch's update; refused rather
+            # than silently ignored.
+            raise _field_error(
+                "opd.optimizer.microbatches",
+                "be 1 (OPD advantages use batch-wide baselines; accumulation is not supported)",
+                self.opd.optimizer.microbatches,
             )
         for field in ("alignment", "canvas"):
             if getattr(self.rollout, field) != getattr(self.objective, field):

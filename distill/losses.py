@@ -3,8 +3,9 @@
 Every loss returns a :class:`LossTerms`: a weighted ``total`` (a SUM over tokens, never a
 mean), its ``denominator`` (the sum of ``weights``; model-independent, so a learner can
 compute it for the whole batch before any forward) and metrics, each a :class:`Weighted`
-``(total, denominator)`` pair. Gradient accumulation adds totals and denominators over
-microbatches and hosts and divides once (:func:`accumulate`, :meth:`LossTerms.value`).
+``(total, denominator)`` pair (both from :mod:`distill.weighted`, re-exported here).
+Gradient accumulation adds totals and denominators over microbatches and hosts and divides
+once (:func:`accumulate`, :meth:`LossTerms.value`).
 Weights are applied with ``where``, never by multiplication alone, and every input is
 sanitized on inactive slots (``weights == 0``) before any arithmetic, so NaN / inf there
 cannot leak: a batch with zero total weight gives exactly 0 loss and exactly 0 gradients.
@@ -93,7 +94,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distill.config import LossConfig
-from distill.diffusion.objectives import safe_ratio
+from distill.weighted import LossTerms, Weighted, accumulate, f32_sum, safe_ratio
 
 LOSS_KINDS = ("reverse_kl", "forward_kl", "reverse_kl_full", "jsd")
 DIVERGENCE_KINDS = ("forward_kl", "reverse_kl_full", "jsd")
@@ -103,40 +104,7 @@ DEFAULT_TAIL_FLOOR = 1e-6
 _INT_MAX = int(np.iinfo(np.int32).max)
 
 
-# ---- results ------------------------------------------------------------------------------
-
-
-class Weighted(NamedTuple):
-    """A weighted sum and its denominator; :meth:`value` is their ratio (0 when empty)."""
-
-    total: jax.Array
-    denominator: jax.Array
-
-    def value(self) -> jax.Array:
-        return safe_ratio(self.total, self.denominator)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LossTerms:
-    """A loss as ``total`` (weighted sum) over ``denominator``, with metrics of the same
-    form. Add over microbatches with :func:`accumulate`, divide once with :meth:`value`."""
-
-    total: jax.Array
-    denominator: jax.Array
-    metrics: dict[str, Weighted] = dataclasses.field(default_factory=dict)
-
-    def value(self) -> jax.Array:
-        """``total / denominator``; exactly 0 (with zero gradient) when the denominator is 0."""
-        return safe_ratio(self.total, self.denominator)
-
-    def metric_values(self) -> dict[str, jax.Array]:
-        return {name: metric.value() for name, metric in self.metrics.items()}
-
-
-def accumulate(first: LossTerms, second: LossTerms) -> LossTerms:
-    """Sum totals, denominators and metric pairs of two microbatches (same metric names)."""
-    return jax.tree.map(jnp.add, first, second)
+# ---- denominators --------------------------------------------------------------------------
 
 
 def denominator(weights: jax.Array) -> jax.Array:
@@ -191,12 +159,8 @@ def _raise_if_nonfinite(name: str, bad: jax.Array, requirement: str) -> None:
         raise _error(name, requirement, f"{int(bad.sum())} bad value(s), first at {first}")
 
 
-def _f32_sum(values: jax.Array, where: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(where, values, 0.0), dtype=jnp.float32)
-
-
 def _mean_metric(values: jax.Array, weights: jax.Array, active: jax.Array) -> Weighted:
-    return Weighted(_f32_sum(values * weights, active), _f32_sum(weights, active))
+    return Weighted(f32_sum(values * weights, active), f32_sum(weights, active))
 
 
 # ---- OPD weights ---------------------------------------------------------------------------
@@ -329,7 +293,7 @@ def policy_gradient(
         "clip_fraction": _mean_metric(clipped.astype(jnp.float32), weights, active),
         "advantage": _mean_metric(advantage, weights, active),
     }
-    return LossTerms(_f32_sum(surrogate * weights, active), _f32_sum(weights, active), metrics)
+    return LossTerms(f32_sum(surrogate * weights, active), f32_sum(weights, active), metrics)
 
 
 def _return_to_go(
@@ -521,14 +485,14 @@ def _divergence_terms(
     kind: str, per_token: jax.Array, weights: jax.Array, active: jax.Array, bad: jax.Array
 ) -> LossTerms:
     scored = active & ~bad
-    total = _f32_sum(per_token * weights, scored)
+    total = f32_sum(per_token * weights, scored)
     metrics = {
-        kind: Weighted(total, _f32_sum(weights, scored)),
+        kind: Weighted(total, f32_sum(weights, scored)),
         "teacher_nonfinite": Weighted(
             jnp.sum(bad, dtype=jnp.float32), jnp.sum(active, dtype=jnp.float32)
         ),
     }
-    return LossTerms(total, _f32_sum(weights, active), metrics)
+    return LossTerms(total, f32_sum(weights, active), metrics)
 
 
 def divergence(
@@ -671,8 +635,8 @@ def k3_kl(student_logps: jax.Array, reference_logps: jax.Array, weights: jax.Arr
     reference = jax.lax.stop_gradient(jnp.where(active, reference_logps, 0.0))
     gap = reference - student
     k3 = jnp.maximum(jnp.expm1(gap) - gap, 0.0)
-    total = _f32_sum(k3 * weights, active)
-    den = _f32_sum(weights, active)
+    total = f32_sum(k3 * weights, active)
+    den = f32_sum(weights, active)
     return LossTerms(total, den, {"k3": Weighted(jax.lax.stop_gradient(total), den)})
 
 

@@ -19,92 +19,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distill.checkpoint import RunCheckpointer, extend_ledger, restored_ledger, topology
+from distill.checkpoint import RunCheckpointer, extend_ledger, restored_ledger
 from distill.config import JobConfig, PhaseConfig
 from distill.data.stream import TaskStream
-from distill.data.tasks import answer_horizon
-from distill.diffusion.denoise import SamplingSettings
 from distill.diffusion.objectives import CausalLM, Objective
 from distill.evaluate import EvalReport, evaluate_student, evaluate_teacher
+from distill.job import JobPlan, completion_length, job_tokenizer, phase_contract
 from distill.models.transformer import Transformer
 from distill.teacher import model_hash
-from distill.tokenizer import Tokenizer, tokenizer_from_spec
+from distill.tokenizer import Tokenizer
 from distill.train import Trainer, TrainingObjective, fit, make_train_state
 
 Log = Callable[[str], None]
-
-
-def job_tokenizer(job: JobConfig) -> Tokenizer:
-    """The job's tokenizer; its vocabulary must match both models'."""
-    tokenizer = tokenizer_from_spec(job.tokenizer)
-    for role in ("teacher", "student"):
-        size = getattr(job, role).vocab_size
-        if size != tokenizer.vocab_size:
-            raise ValueError(
-                f"`{role}.vocab_size` must equal the tokenizer's {tokenizer.vocab_size}; "
-                f"received {size}"
-            )
-    return tokenizer
-
-
-def phase_contract(
-    job: JobConfig,
-    tokenizer: Tokenizer,
-    phase: str,
-    *,
-    teacher_hash: str | None = None,
-    student_hash: str | None = None,
-    phase_config: PhaseConfig | None = None,
-) -> dict[str, Any]:
-    """Everything a resumed phase must share with the run it resumes: for a student
-    initialized from the teacher, the teacher's parameter hash; for OPD, the teacher's
-    model hash (as its scoring server reports it) and the hash of the student it started
-    from, plus the rollout and loss configs. ``phase_config`` overrides the job's config of
-    that phase (a caller training with another one)."""
-    stream = TaskStream(job.data)
-    contract: dict[str, Any] = {
-        "phase": phase,
-        "tokenizer_hash": tokenizer.content_hash(),
-        "special_ids": {
-            "pad": tokenizer.special.pad_id,
-            "mask": tokenizer.special.mask_id,
-            "bos": tokenizer.special.bos_id,
-            "stop": list(tokenizer.special.stop_ids),
-        },
-        "data": stream.stream_spec(),
-        "seed": job.seed,
-        "topology": topology(),
-    }
-    if phase == "teacher_training":
-        contract |= {
-            "teacher": job.teacher.model_dump(),
-            "training": _phase(phase_config or job.teacher_training),
-        }
-    elif phase == "student_warmup":
-        contract |= {
-            "student": job.student.model_dump(),
-            "student_init": job.student_init,
-            "teacher_hash": teacher_hash,
-            "objective": job.objective.model_dump(),
-            "training": _phase(phase_config or job.student_warmup),
-        }
-    elif phase == "opd":
-        contract |= {
-            "student": job.student.model_dump(),
-            "teacher": job.teacher.model_dump(),
-            "teacher_hash": teacher_hash,
-            "student_start_hash": student_hash,
-            "rollout": job.rollout.model_dump(),
-            "loss": job.loss.model_dump(),
-            "training": _phase(phase_config or job.opd),
-            # The run's saved evaluations are one curve: resuming must not change its set.
-            "eval_examples": (phase_config or job.opd).eval_examples,
-        }
-    else:
-        raise ValueError(
-            f"`phase` must be 'teacher_training', 'student_warmup' or 'opd'; received {phase!r}"
-        )
-    return contract
 
 
 def phase_train_state(model: Transformer, phase: PhaseConfig) -> nnx.Optimizer:
@@ -114,13 +40,8 @@ def phase_train_state(model: Transformer, phase: PhaseConfig) -> nnx.Optimizer:
     )
 
 
-def _phase(config: PhaseConfig) -> dict[str, Any]:
-    # eval size and checkpoint cadence do not change what is trained
-    return {"steps": config.steps, "optimizer": config.optimizer.model_dump()}
-
-
 def _horizon(job: JobConfig) -> int:
-    return answer_horizon(job.data.tasks, job.data.max_length)
+    return completion_length(job)
 
 
 def _train_phase(
@@ -310,7 +231,6 @@ def warmup_student(
 def evaluate_student_job(
     job: JobConfig, model: Transformer, tokenizer: Tokenizer, count: int
 ) -> EvalReport:
-    rollout = job.rollout.model_copy(update={"max_completion_length": _horizon(job)})
-    settings = SamplingSettings.from_config(rollout, tokenizer.special)
+    settings = JobPlan(job, tokenizer).settings
     examples = TaskStream(job.data, split="eval").batch(0, count)
     return evaluate_student(model, tokenizer, examples, settings, seed=job.seed)

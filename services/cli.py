@@ -1,6 +1,8 @@
 """The ``distill`` command.
 
     distill demo                       the end-to-end demo (same as ``make demo``)
+    distill run CONFIG --run-dir DIR [--address RAY_ADDRESS] [--set a.b=value ...]
+                  the whole job on Ray (embedded local Ray unless an address is given)
     distill train-teacher CONFIG --run-dir DIR [--set a.b=value ...]
     distill warmup-student CONFIG --run-dir DIR [--teacher-run DIR] [--set a.b=value ...]
     distill opd CONFIG --run-dir DIR --student-run DIR (--teacher-run DIR | --teacher-server
@@ -38,7 +40,36 @@ from distill.config import ConfigError, JobConfig, load_config
 
 
 def _job(args: argparse.Namespace) -> JobConfig:
-    return load_config(args.config, JobConfig, args.set)
+    # The services' job spec: the library's job plus its `cluster:` section, so one YAML
+    # serves every command.
+    from services.common.config import JobSpec
+
+    return load_config(args.config, JobSpec, args.set)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from services.jobs.driver import run_job
+
+    result = run_job(
+        _job(args),
+        args.run_dir,
+        address=args.address,
+        ray_temp_dir=args.ray_temp_dir,
+        progress=not args.quiet,
+    )
+    status = result.status
+    last = result.evaluations[-1] if result.evaluations else None
+    print(
+        f"finished: step {status['step']}/{status['total_steps']}, {status['accepted_rows']} "
+        f"rows accepted, {status['dropped_stale_rows']} dropped as stale, "
+        f"{status['refused_rows']} refused; actors "
+        + ", ".join(f"{count} {name}" for name, count in result.actors.items())
+    )
+    if last is not None:
+        print(
+            f"last evaluation (step {last['step']}): exact match {last['overall']:.3f} at "
+            f"{last['tokens_per_forward']:.2f} tokens/forward"
+        )
 
 
 def _train_teacher(args: argparse.Namespace) -> None:
@@ -83,8 +114,8 @@ def _opd(args: argparse.Namespace) -> None:
         teacher = InProcessTeacher(teacher_model, tokenizer)
         opd.run_opd(job, student, teacher, tokenizer, run_dir=args.run_dir, progress=not args.quiet)
         return
-    from services.auth import read_token
-    from services.client import RemoteTeacher
+    from services.common.auth import read_token
+    from services.teacher.client import RemoteTeacher
 
     token = read_token(args.token_file)
     with RemoteTeacher(
@@ -112,8 +143,8 @@ def _score(args: argparse.Namespace) -> None:
 
 
 def _score_remote(args: argparse.Namespace) -> None:
-    from services.auth import read_token
-    from services.client import RemoteTeacher
+    from services.common.auth import read_token
+    from services.teacher.client import RemoteTeacher
 
     if (args.hf_checkpoint is None) == (not args.ids):
         raise ConfigError(
@@ -195,8 +226,8 @@ def _served_teacher(args: argparse.Namespace):
 
 
 def _serve_teacher(args: argparse.Namespace) -> None:
-    from services.auth import read_token
-    from services.teacher import TeacherServerConfig, serve_teacher
+    from services.common.auth import read_token
+    from services.teacher.server import TeacherServerConfig, serve_teacher
 
     config = TeacherServerConfig(
         address=args.address,
@@ -248,11 +279,9 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _teacher_server_defaults() -> dict[str, object]:
-    import dataclasses
+    from services.teacher.server import TeacherServerConfig
 
-    from services.teacher import TeacherServerConfig
-
-    return {field.name: field.default for field in dataclasses.fields(TeacherServerConfig)}
+    return {name: field.default for name, field in TeacherServerConfig.model_fields.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,6 +304,23 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "warmup-student":
             command.add_argument("--teacher-run", help="a finished train-teacher run dir")
         command.set_defaults(run=handler)
+
+    run = commands.add_parser(
+        "run",
+        help="run (or resume) a whole job on Ray: phases, teacher replicas, rollout workers, "
+        "learner",
+    )
+    run.add_argument("config", help="job YAML (with an optional cluster: section)")
+    run.add_argument("--run-dir", required=True, help="teacher/, student/ and opd/ run dirs")
+    run.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (else $RAY_ADDRESS, else an embedded local Ray on loopback)",
+    )
+    run.add_argument("--ray-temp-dir", default=None, help="temp dir of an embedded Ray")
+    run.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(run=_run)
 
     distill = commands.add_parser(
         "opd", help="on-policy distillation of a warmed-up student (resumable)"
@@ -334,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from services.auth import TokenError
-    from services.client import TeacherServerError
+    from services.common.auth import TokenError
+    from services.teacher.client import TeacherServerError
 
     try:
         args.run(args)
@@ -343,6 +389,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distill {args.command}: {error}", file=sys.stderr)
         return 2
     except TeacherServerError as error:
+        print(f"distill {args.command}: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:
+        from services.jobs.driver import JobFailed
+
+        if not isinstance(error, JobFailed):
+            raise
         print(f"distill {args.command}: {error}", file=sys.stderr)
         return 1
     return 0

@@ -2,10 +2,12 @@
 
 1. train (or reuse, from ``runs/demo/teacher``) a tiny causal teacher;
 2. warm up a block-diffusion student with the MDLM objective (or reuse it);
-3. serve the teacher with the real gRPC scoring server on loopback (``--teacher
-   in-process`` skips the server) and run (or resume, from ``runs/demo/opd``) on-policy
-   distillation against it: student rollouts decoded in one forward per completion, teacher
-   scores over gRPC, exact packed replay, reverse-KL policy gradient;
+3. run (or resume, from ``runs/demo/opd``) on-policy distillation on the distributed
+   runtime on an embedded local Ray (``services/jobs/driver.py``, the same as ``distill
+   run``): the teacher scoring server as a Ray actor, two rollout workers streaming their
+   traces over gRPC to the learner actor, which scores them with the teacher, replays them
+   exactly and publishes versioned weights back through the object store. Steps 1-2 run as
+   Ray tasks. ``--runtime in-process`` runs the in-process loop instead;
 4. evaluate teacher, warmed-up student and OPD student at temperature 1 across commit
    thresholds (tokens per forward from 1 to the whole completion) and write
    ``runs/demo/report.md``, ``report.json`` and ``accuracy_vs_parallelism.png``.
@@ -17,18 +19,18 @@ sampling fails and OPD has to teach the student's parallel marginals to agree.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from pathlib import Path
 
 from distill import opd, pipeline
-from distill.config import JobConfig, load_config
+from distill.config import load_config
 from distill.data.stream import TaskStream
 from distill.evaluate import EvalReport, evaluate_student
 from distill.teacher import InProcessTeacher
-from services.client import RemoteTeacher
-from services.teacher import serve_teacher
+from services.common.config import JobSpec
+from services.teacher.client import RemoteTeacher
+from services.teacher.server import serve_teacher
 
 THRESHOLDS = (0.0, 0.5, 0.9, 1.0)
 
@@ -66,6 +68,17 @@ def _plot(path: Path, teacher: EvalReport, curves: dict[str, list[tuple[float, E
     plt.close(figure)
 
 
+def _opd_student(job, run: Path, teacher, tokenizer):
+    """The OPD student of a finished OPD run (restored through the learner, which checks the
+    run contract)."""
+    from distill.opd.learner import OpdLearner
+
+    student = pipeline.load_student_run(job, run / "student")
+    learner = OpdLearner(job, student, teacher, tokenizer, run_dir=run / "opd", log=lambda _: None)
+    learner.close()
+    return student, learner.reports
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="deploy/configs/agree.yaml")
@@ -74,38 +87,61 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-examples", type=int, default=128)
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument(
-        "--teacher",
-        choices=("served", "in-process"),
-        default="served",
-        help="score through the gRPC teacher server on loopback (default) or in-process",
+        "--runtime",
+        choices=("distributed", "in-process"),
+        default="distributed",
+        help="OPD on the embedded Ray (teacher replicas, rollout workers and the learner as "
+        "actors over gRPC; default) or the in-process loop",
     )
+    parser.add_argument("--ray-temp-dir", default=None, help="temp dir of the embedded Ray")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    job = load_config(args.config, JobConfig, args.set)
+    job = load_config(args.config, JobSpec, args.set)
     run = Path(args.run_dir)
     tokenizer = pipeline.job_tokenizer(job)
     progress = not args.quiet
     print(f"== job {args.config} (seed {job.seed}); runs in {run}")
 
-    print("== 1/4 causal teacher")
-    teacher, teacher_report = pipeline.train_teacher(job, run / "teacher", progress=progress)
-    print("== 2/4 student warm-up")
-    student, _ = pipeline.warmup_student(job, run / "student", progress=progress)
-    print("== 3/4 on-policy distillation")
-    warmed = _sweep(job, student, tokenizer, args.eval_examples)
-    local = InProcessTeacher(teacher, tokenizer)
-    with contextlib.ExitStack() as stack:
-        scorer = local
-        if args.teacher == "served":
-            server = stack.enter_context(serve_teacher(local))
-            scorer = stack.enter_context(RemoteTeacher(server.address))
-            print(f"   teacher served on {server.address} (gRPC, loopback)")
-        history, reports = opd.run_opd(
-            job, student, scorer, tokenizer, run_dir=run / "opd", progress=progress
+    history: list[dict[str, float]] = []
+    if args.runtime == "distributed":
+        from services.jobs.driver import run_job
+
+        print(
+            "== 1-3/4 teacher, student warm-up and on-policy distillation on the embedded Ray: "
+            f"{job.cluster.teacher.count} teacher replica(s), {job.cluster.rollout.count} "
+            "rollout worker(s), 1 learner"
         )
+        result = run_job(job, run, ray_temp_dir=args.ray_temp_dir, progress=progress)
+        history = result.history
+        runtime = "distributed (Ray, gRPC): " + ", ".join(
+            f"{count} {name}" for name, count in result.actors.items()
+        )
+        teacher = pipeline.load_teacher_run(job, run / "teacher")
+        teacher_report = EvalReport(**json.loads((run / "teacher" / "eval.json").read_text()))
+        student = pipeline.load_student_run(job, run / "student")
+        local = InProcessTeacher(teacher, tokenizer)
+    else:
+        print("== 1/4 causal teacher")
+        teacher, teacher_report = pipeline.train_teacher(job, run / "teacher", progress=progress)
+        print("== 2/4 student warm-up")
+        student, _ = pipeline.warmup_student(job, run / "student", progress=progress)
+        print("== 3/4 on-policy distillation (in-process, teacher over gRPC on loopback)")
+        local = InProcessTeacher(teacher, tokenizer)
+        with serve_teacher(local) as server, RemoteTeacher(server.address) as scorer:
+            history, _ = opd.run_opd(
+                job,
+                pipeline.load_student_run(job, run / "student"),
+                scorer,
+                tokenizer,
+                run_dir=run / "opd",
+                progress=progress,
+            )
+        runtime = "in-process loop, teacher served on loopback"
+    warmed = _sweep(job, student, tokenizer, args.eval_examples)
+    distilled_student, reports = _opd_student(job, run, local, tokenizer)
     print("== 4/4 evaluation across commit thresholds")
-    distilled = _sweep(job, student, tokenizer, args.eval_examples)
+    distilled = _sweep(job, distilled_student, tokenizer, args.eval_examples)
 
     rows = [("teacher (causal)", None, teacher_report)]
     rows += [("warmed-up student", t, r) for t, r in warmed]
@@ -133,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     lines += [
         "",
-        f"OPD: {job.opd.steps} steps, loss {job.loss.kind} / {job.loss.advantage}, teacher "
-        f"{args.teacher}.",
+        f"OPD: {job.opd.steps} steps, loss {job.loss.kind} / {job.loss.advantage}, "
+        f"max_staleness {job.loss.max_staleness}; runtime {runtime}.",
     ]
     lines.append(f"Wall time {time.perf_counter() - start:.0f} s.")
     (run / "report.md").write_text("\n".join(lines) + "\n")
@@ -145,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                 "warmed_up": [{"threshold": t, **r.to_dict()} for t, r in warmed],
                 "opd": [{"threshold": t, **r.to_dict()} for t, r in distilled],
                 "opd_evaluations": [{"step": s, **r.to_dict()} for s, r in reports],
+                "runtime": runtime,
                 "opd_last_metrics": history[-1] if history else {},
             },
             indent=2,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distill import opd, pipeline
+from distill import checkpoint, opd, pipeline
 from distill.checkpoint import ContractMismatch, RunCheckpointer
 from distill.config import JobConfig, load_config
 from distill.teacher import InProcessTeacher, model_hash
@@ -134,8 +134,8 @@ def test_a_different_teacher_or_starting_student_is_refused(uninterrupted, tmp_p
 def test_a_different_topology_is_refused(uninterrupted, monkeypatch):
     job, _, teacher, run, *_ = uninterrupted
     _, student = models(job)
-    real = pipeline.topology()
-    monkeypatch.setattr(pipeline, "topology", lambda: real | {"device_count": 8})
+    real = checkpoint.topology()
+    monkeypatch.setattr(checkpoint, "topology", lambda: real | {"device_count": 8})
     with pytest.raises(ContractMismatch, match="`topology.device_count`"):
         RunCheckpointer.open(run, contract(job, teacher, student))
 

@@ -1,6 +1,10 @@
 """Teacher scoring: position i scores token i+1; compatibility refused before training."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,8 @@ from distill.config import ModelConfig
 from distill.models.transformer import Transformer
 from distill.teacher import CompatibilityError, InProcessTeacher, check_compatible
 from distill.tokenizer import CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +74,13 @@ def test_mismatched_teacher_is_refused_before_training(teacher, change, field):
     with pytest.raises(CompatibilityError, match=f"`{field}`"):
         check_compatible(info, teacher.tokenizer, teacher.model.config.vocab_size)
     check_compatible(teacher.info(), teacher.tokenizer, teacher.model.config.vocab_size)
+
+
+def test_the_teacher_contract_imports_without_jax():
+    # A gRPC client or a service that only checks teachers must not pay for JAX.
+    code = "import sys, distill.teacher_contract; assert 'jax' not in sys.modules, 'jax loaded'"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr

@@ -47,18 +47,9 @@ from distill.diffusion.corruption import Corruption, corrupt
 from distill.diffusion.layout import BlockLayout
 from distill.models.logprobs import gathered_log_probs
 from distill.models.transformer import Transformer
+from distill.weighted import f32_sum, safe_ratio
 
 OBJECTIVES = ("block_ce", "mdlm", "self_corrupted", "coordination", "cmd")
-
-
-def _f32_sum(values: jax.Array, where: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(where, values, 0.0), dtype=jnp.float32)
-
-
-def safe_ratio(total: jax.Array, denominator: jax.Array) -> jax.Array:
-    """``total / denominator``, exactly 0 (with zero gradient) when the denominator is 0."""
-    positive = denominator > 0
-    return jnp.where(positive, total / jnp.where(positive, denominator, 1.0), 0.0)
 
 
 def combine(
@@ -227,7 +218,7 @@ class Objective:
         out = {}
         for name in self.term_names():
             if name == "block_ce":
-                out[name] = _f32_sum(layout.loss_weights, plan.corruption.target_mask)
+                out[name] = f32_sum(layout.loss_weights, plan.corruption.target_mask)
             elif name == "coordination":
                 out[name] = jnp.sum(plan.coordination_order >= 0, dtype=jnp.float32)
             else:
@@ -275,14 +266,14 @@ class Objective:
     def _block_ce(self, model, layout, plan):
         corruption = plan.corruption
         logp = self._log_probs(model, layout, corruption.canvas)
-        return _f32_sum(-logp * layout.loss_weights, corruption.target_mask)
+        return f32_sum(-logp * layout.loss_weights, corruption.target_mask)
 
     def _mdlm(self, model, layout, corruption, canvas=None, scored=None):
         canvas = corruption.canvas if canvas is None else canvas
         scored = corruption.target_mask if scored is None else scored
         logp = self._log_probs(model, layout, canvas)
         weight = jnp.where(corruption.corruption_mask, 1.0 / corruption.noise, 1.0)
-        return _f32_sum(-logp * weight, scored), logp
+        return f32_sum(-logp * weight, scored), logp
 
     def _self_corrupted(self, model, layout, plan, keys):
         corruption = plan.corruption
@@ -291,7 +282,7 @@ class Objective:
         canvas = jnp.where(plan.commit_mask, samples, corruption.canvas)
         remaining = corruption.target_mask & ~plan.commit_mask
         main, logp = self._mdlm(model, layout, corruption, canvas=canvas, scored=remaining)
-        repair = _f32_sum(-logp, plan.commit_mask)
+        repair = f32_sum(-logp, plan.commit_mask)
         return main + self.config.repair_weight * repair
 
     def _coordination(self, model, layout, plan, keys):
@@ -305,7 +296,7 @@ class Objective:
         logp = token_log_probs(
             model, picked, targets, mask_id=self.mask_id, vocab_chunk=self.vocab_chunk
         )
-        return _f32_sum(-logp, order >= 0)
+        return f32_sum(-logp, order >= 0)
 
 
 def coordination_targets(
@@ -359,7 +350,7 @@ class CausalLM:
 
     def denominators(self, layout: BlockLayout, plan: None) -> dict[str, jax.Array]:
         scored, _ = self._scored(layout)
-        return {"causal_ce": _f32_sum(layout.loss_weights, scored)}
+        return {"causal_ce": f32_sum(layout.loss_weights, scored)}
 
     def coefficients(self, plan: None) -> dict[str, float]:
         return {"causal_ce": 1.0}
@@ -373,7 +364,7 @@ class CausalLM:
             layout.tokens,
             vocab_chunk=self.vocab_chunk,
         )
-        return {"causal_ce": _f32_sum(-logp * layout.loss_weights, scored)}
+        return {"causal_ce": f32_sum(-logp * layout.loss_weights, scored)}
 
 
 # ---- evaluation -------------------------------------------------------------------------

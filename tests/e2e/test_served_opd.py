@@ -13,7 +13,7 @@ from distill.checkpoint import RunCheckpointer
 from distill.config import JobConfig, load_config
 from distill.teacher import InProcessTeacher, model_hash
 from services import cli
-from services.teacher import serve_teacher
+from services.teacher.server import serve_teacher
 
 OVERRIDES = [
     "teacher.d_model=32",

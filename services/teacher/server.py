@@ -1,23 +1,27 @@
-"""The teacher scoring server: any :class:`distill.teacher.Teacher` behind gRPC.
+"""The teacher scoring server: any :class:`distill.teacher_contract.Teacher` behind gRPC.
 
-``Score`` validates a request, queues it on a :class:`~services.batching.DynamicBatcher`
-(one worker thread, so the teacher is only ever called from one thread, one batch at a
-time) and answers with each sequence's scores; ``Info`` answers the teacher's
-:class:`~distill.teacher.TeacherInfo`. Statuses, each with a reason reading "`field` must
-...; received ...":
+``Score`` validates a request, queues it on a
+:class:`~services.teacher.batching.DynamicBatcher` (one worker thread, so the teacher is
+only ever called from one thread, one batch at a time) and answers with each sequence's
+scores; ``Info`` answers the teacher's :class:`~distill.teacher_contract.TeacherInfo`.
+Statuses (mapped from errors by :mod:`services.common.status`), each with a reason reading
+"`field` must ...; received ...":
 
 * ``INVALID_ARGUMENT``: empty batch, a sequence of fewer than 2 ids, an id outside
   ``[0, vocab_size)``, a sequence longer than the teacher's ``max_length``, ``top_k``
   outside ``[0, vocab_size]``. The server keeps serving.
 * ``RESOURCE_EXHAUSTED``: more than ``max_request_sequences`` sequences or
-  ``max_request_tokens`` ids in one request, a response that would exceed
-  ``max_message_bytes``, or a full queue (``max_queue_requests``); retry later or split.
+  ``max_request_tokens`` ids in one request, or a response that would exceed
+  ``max_message_bytes``; split the request.
+* ``UNAVAILABLE``: a full queue (``max_queue_requests``) or a stopping server; transient,
+  clients retry with backoff.
 * ``UNAUTHENTICATED``: missing or wrong bearer token (when the server has one).
 * ``DEADLINE_EXCEEDED`` / ``CANCELLED``: the caller's deadline passed or it went away;
   its sequences not yet in a batch are dropped.
 * ``INTERNAL``: the teacher failed; every request in that batch gets the reason.
 
-:func:`serve_teacher` starts it with health and reflection (see :mod:`services.server`).
+:func:`serve_teacher` starts it with health and reflection (see
+:mod:`services.common.server`).
 """
 
 from __future__ import annotations
@@ -25,15 +29,19 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Self
 
 import grpc
 import numpy as np
+from pydantic import Field, model_validator
 
-from distill.teacher import Teacher, TeacherInfo, check_sequences
-from services.batching import BatcherStats, BatcherStopped, DynamicBatcher, QueueFull
+from distill.teacher_contract import Teacher, TeacherInfo, check_sequences
+from services.common.config import ServerConfig, config_error
+from services.common.server import RunningServer, start_server
+from services.common.status import StatusError, abort_with
 from services.proto import teacher_pb2, teacher_pb2_grpc
-from services.server import RunningServer, ServerConfig, config_error, start_server
-from services.teacher_messages import info_to_proto, scored_to_proto
+from services.teacher.batching import BatcherStats, DynamicBatcher
+from services.teacher.messages import info_to_proto, scored_to_proto
 
 # Longest wait on a queued request without a deadline bound (threading's limit is larger).
 _MAX_WAIT_S = 7 * 24 * 3600.0
@@ -45,75 +53,57 @@ SERVICE_NAME = teacher_pb2.DESCRIPTOR.services_by_name["TeacherService"].full_na
 _BYTES_PER_POSITION, _BYTES_PER_TOP_ENTRY, _BYTES_PER_SEQUENCE = 4, 9, 16
 
 
-@dataclasses.dataclass(frozen=True)
 class TeacherServerConfig(ServerConfig):
-    """Transport settings (:class:`ServerConfig`) plus batching and request limits.
+    """Transport settings (:class:`~services.common.config.ServerConfig`) plus batching and
+    request limits.
 
     Batching: one teacher call takes at most ``max_batch_sequences`` sequences and
-    ``max_batch_tokens`` padded ids (rows x longest), waiting at most ``max_delay_ms`` after
-    the oldest queued request for company; ``bucket_rows`` pads the row count to a power of
-    two so a jitted teacher compiles once per bucket. Limits per request:
-    ``max_request_sequences``, ``max_request_tokens`` (sum of lengths). At most
-    ``max_queue_requests`` requests wait; more are refused with ``UNAVAILABLE`` (retry later).
+    ``max_batch_tokens`` padded ids (rows x longest), waiting at most ``max_delay_ms`` (in
+    [0, 10000]) after the oldest queued request for company; ``bucket_rows`` pads the row
+    count to a power of two so a jitted teacher compiles once per bucket. Limits per
+    request: ``max_request_sequences``, ``max_request_tokens`` (sum of lengths; >= 2, one
+    sequence of two ids). At most ``max_queue_requests`` requests wait; more are refused
+    with ``UNAVAILABLE`` (retry later). Every count is an int >= 1.
     """
 
-    max_batch_sequences: int = 32
-    max_batch_tokens: int = 16384
-    max_delay_ms: float = 2.0
+    max_batch_sequences: int = Field(default=32, ge=1, strict=True)
+    max_batch_tokens: int = Field(default=16384, ge=1, strict=True)
+    max_delay_ms: float = Field(default=2.0, ge=0, le=10_000)
     bucket_rows: bool = True
-    max_request_sequences: int = 256
-    max_request_tokens: int = 65536
-    max_queue_requests: int = 1024
+    max_request_sequences: int = Field(default=256, ge=1, strict=True)
+    max_request_tokens: int = Field(default=65536, ge=1, strict=True)
+    max_queue_requests: int = Field(default=1024, ge=1, strict=True)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for field in (
-            "max_batch_sequences",
-            "max_batch_tokens",
-            "max_request_sequences",
-            "max_request_tokens",
-            "max_queue_requests",
-        ):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise config_error(field, "be an int >= 1", value)
-        if not 0 <= self.max_delay_ms <= 10_000:
-            raise config_error("max_delay_ms", "be in [0, 10000]", self.max_delay_ms)
+    @model_validator(mode="after")
+    def _check_limits(self) -> Self:
         if self.max_request_tokens < 2:
             raise config_error(
                 "max_request_tokens", "be >= 2 (one sequence of two ids)", self.max_request_tokens
             )
-
-
-class RequestError(Exception):
-    """A request refused before scoring: ``code`` and a reason naming the field."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str):
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
+        return self
 
 
 def validate_score_request(
     request: teacher_pb2.ScoreRequest, info: TeacherInfo, config: TeacherServerConfig
 ) -> tuple[list[np.ndarray], int]:
-    """The request's sequences (int32 arrays) and ``top_k``, or :class:`RequestError`."""
+    """The request's sequences (int32 arrays) and ``top_k``, or a
+    :class:`~services.common.status.StatusError` with the status to answer."""
     invalid, exhausted = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
     count = len(request.sequences)
     if count == 0:
-        raise RequestError(invalid, "`sequences` must hold at least one sequence; received 0")
+        raise StatusError(invalid, "`sequences` must hold at least one sequence; received 0")
     if count > config.max_request_sequences:
-        raise RequestError(
+        raise StatusError(
             exhausted,
             f"`sequences` must hold at most {config.max_request_sequences} sequences per "
             f"request (server limit max_request_sequences); received {count}",
         )
     vocab, top_k = info.vocab_size, request.top_k
     if not 0 <= top_k <= vocab:
-        raise RequestError(invalid, f"`top_k` must be in [0, {vocab}] (0: none); received {top_k}")
+        raise StatusError(invalid, f"`top_k` must be in [0, {vocab}] (0: none); received {top_k}")
     total = sum(len(sequence.ids) for sequence in request.sequences)
     if total > config.max_request_tokens:
-        raise RequestError(
+        raise StatusError(
             exhausted,
             f"`sequences` must hold at most {config.max_request_tokens} ids in all (server "
             f"limit max_request_tokens); received {total}",
@@ -123,13 +113,13 @@ def validate_score_request(
             [sequence.ids for sequence in request.sequences], info, field="sequences[{index}].ids"
         )
     except ValueError as error:
-        raise RequestError(invalid, str(error)) from None
+        raise StatusError(invalid, str(error)) from None
     positions = total - count
     size = count * _BYTES_PER_SEQUENCE + positions * (
         _BYTES_PER_POSITION + top_k * _BYTES_PER_TOP_ENTRY
     )
     if size > config.max_message_bytes:
-        raise RequestError(
+        raise StatusError(
             exhausted,
             f"`top_k` must keep the response within max_message_bytes="
             f"{config.max_message_bytes}; received top_k={top_k} for {positions} positions "
@@ -168,15 +158,11 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
     def Score(self, request: teacher_pb2.ScoreRequest, context: grpc.ServicerContext):
         try:
             sequences, top_k = validate_score_request(request, self.info, self.config)
+            # A full queue or a stopping batcher is Unavailable: clients retry with backoff
+            # (a request over a limit is RESOURCE_EXHAUSTED: it would fail the same way).
             future = self.batcher.submit(sequences, top_k or None)
-        except RequestError as error:
-            context.abort(error.code, error.reason)
-        except QueueFull as error:
-            # Transient overload: UNAVAILABLE tells clients to retry with backoff (a request
-            # over a limit is RESOURCE_EXHAUSTED: retrying it would fail the same way).
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except BatcherStopped as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except Exception as error:
+            abort_with(context, error)
         # Called when the RPC ends for any reason; after a normal end it is a no-op. False
         # means the RPC already ended: nobody waits for the result.
         if not context.add_callback(future.cancel):
@@ -185,22 +171,26 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
         # Without a client deadline time_remaining() is astronomically large (too large for
         # a wait); the callback above still cancels the wait if the caller goes away.
         timeout = None if remaining is None or remaining > _MAX_WAIT_S else max(remaining, 0.0)
-        status, reason = None, ""
         try:
             results = future.result(timeout=timeout)
         except CancelledError:
-            status, reason = grpc.StatusCode.CANCELLED, "`call` was cancelled by the caller"
+            abort_with(
+                context,
+                StatusError(grpc.StatusCode.CANCELLED, "`call` was cancelled by the caller"),
+            )
         except FutureTimeout:
             future.cancel()
-            status = grpc.StatusCode.DEADLINE_EXCEEDED
-            reason = "`deadline` must leave time to score the request; it passed while queued"
-        except ValueError as error:  # the teacher refused what validation let through
-            status, reason = grpc.StatusCode.INVALID_ARGUMENT, str(error)
+            abort_with(
+                context,
+                StatusError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "`deadline` must leave time to score the request; it passed while queued",
+                ),
+            )
         except Exception as error:
-            status = grpc.StatusCode.INTERNAL
-            reason = f"teacher failed: {type(error).__name__}: {error}"
-        if status is not None:
-            context.abort(status, reason)
+            # A ValueError is the teacher refusing what validation let through
+            # (INVALID_ARGUMENT); anything else is the teacher failing (INTERNAL).
+            abort_with(context, error, failed="teacher")
         response = teacher_pb2.ScoreResponse(top_k=top_k)
         try:
             response.sequences.extend(
@@ -208,7 +198,10 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
                 for scored, ids in zip(results, sequences, strict=True)
             )
         except ValueError as error:
-            context.abort(grpc.StatusCode.INTERNAL, f"teacher answered badly: {error}")
+            abort_with(
+                context,
+                StatusError(grpc.StatusCode.INTERNAL, f"teacher answered badly: {error}"),
+            )
         return response
 
 

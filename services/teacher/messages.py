@@ -1,5 +1,6 @@
 """Conversions between the teacher's wire messages (``protos/teacher.proto``) and the
-:mod:`distill.teacher` types, shared by the server and :class:`~services.client.RemoteTeacher`.
+:mod:`distill.teacher_contract` types, shared by the server and
+:class:`~services.teacher.client.RemoteTeacher`.
 
 Floats travel as proto ``float`` (float32), the dtype the teacher computes in, so log-probs
 arrive bit-identical to what the teacher returned.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distill.teacher import ScoredSequence, TeacherInfo
+from distill.teacher_contract import ScoredSequence, TeacherInfo
 from services.proto import teacher_pb2
 
 

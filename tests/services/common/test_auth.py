@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.auth import TOKEN_ENV, TokenError, bearer_metadata, read_token
+from services.common.auth import TOKEN_ENV, TokenError, bearer_metadata, read_token
 
 
 def test_a_token_file_wins_over_the_environment_and_is_stripped(tmp_path, monkeypatch):

@@ -1,31 +1,36 @@
-"""``RemoteTeacher``: the :class:`distill.teacher.Teacher` protocol over gRPC.
+"""``RemoteTeacher``: the :class:`distill.teacher_contract.Teacher` protocol over gRPC.
 
 A learner holding a ``RemoteTeacher`` calls ``info()`` and ``score()`` exactly as it would an
-``InProcessTeacher``; the scores are the same float32 values. Each call has a deadline
-(``timeout_s``); a call that finds the server ``UNAVAILABLE`` (not started yet, restarting,
-connection dropped, queue full) is retried ``retries`` more times with exponential backoff
-and jitter. Other statuses are not retried: they would fail the same way again. A batch
-larger than one request may be is split into several requests. A refused call raises
-:class:`TeacherServerError` whose message starts with the server's reason ("`field` must
-...; received ..."); ``INVALID_ARGUMENT`` raises :class:`InvalidTeacherRequest`, which is also
-a ``ValueError`` like the in-process teacher's refusals.
+``InProcessTeacher``; the scores are the same float32 values. It reaches one server
+(``address``) or several replicas of one teacher (``addresses``) through one channel that
+sends consecutive calls round-robin to the ready replicas (see
+:mod:`services.common.channel`). Each call has a deadline (``timeout_s``); a call that finds
+the server ``UNAVAILABLE`` (not started yet, restarting, connection dropped, queue full) is
+retried ``retries`` more times with exponential backoff and jitter. Other statuses are not
+retried: they would fail the same way again. A batch larger than one request may be is split
+into several requests. A refused call raises :class:`TeacherServerError` whose message starts
+with the server's reason ("`field` must ...; received ..."); ``INVALID_ARGUMENT`` raises
+:class:`InvalidTeacherRequest`, which is also a ``ValueError`` like the in-process teacher's
+refusals.
+
+Only the contract (:mod:`distill.teacher_contract`) is imported from ``distill``, so a
+process that only calls a teacher server does not load JAX.
 """
 
 from __future__ import annotations
 
 import os
-import random
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
 
-from distill.teacher import ScoredSequence, TeacherInfo
-from services.auth import bearer_metadata
+from distill.teacher_contract import ScoredSequence, TeacherInfo
+from services.common.auth import bearer_metadata
+from services.common.channel import call_with_retry, channel_target, open_channel
+from services.common.config import RetryPolicy
 from services.proto import teacher_pb2, teacher_pb2_grpc
-from services.teacher_messages import info_from_proto, scored_from_proto
+from services.teacher.messages import info_from_proto, scored_from_proto
 
 _T = TypeVar("_T")
 
@@ -47,14 +52,22 @@ class InvalidTeacherRequest(TeacherServerError, ValueError):
 
 
 class RemoteTeacher:
-    """A :class:`~distill.teacher.Teacher` served at ``address`` (``host:port``).
+    """A :class:`~distill.teacher_contract.Teacher` served at ``address`` (``host:port``), or
+    by the replicas at ``addresses`` (one of the two).
 
-    ``token``: bearer token (read one with :func:`services.auth.read_token`).
+    ``addresses``: several ``host:port`` with IP literals of one family, or one DNS name
+    that resolves to every replica (see :func:`services.common.channel.channel_target`);
+    they share one channel, which sends consecutive calls to the next ready replica
+    (``round_robin``), so a replica that is down or restarting is skipped, and a call that
+    finds one ``UNAVAILABLE`` is retried on another. Every replica must serve the same
+    teacher (same :meth:`info`).
+    ``token``: bearer token (read one with :func:`services.common.auth.read_token`).
     ``tls_root_cert_file``: PEM roots to verify a TLS server with (``None``: plaintext, for
     loopback or a trusted network); ``tls_server_name`` overrides the name checked against
     its certificate. ``timeout_s``: deadline of each attempt. ``retries``: extra attempts
     after ``UNAVAILABLE``, waiting ``backoff_s * 2**attempt`` (at most ``max_backoff_s``,
-    times a random factor in [0.5, 1] so many clients do not retry in lockstep).
+    times a random factor in [0.5, 1] so many clients do not retry in lockstep; see
+    :class:`~services.common.config.RetryPolicy`).
     ``max_message_bytes``, ``max_request_sequences`` and ``max_request_tokens`` should match
     the server's: :meth:`score` splits a large batch into requests within them (a learner's
     batch is often larger than one request may be).
@@ -62,8 +75,9 @@ class RemoteTeacher:
 
     def __init__(
         self,
-        address: str,
+        address: str | None = None,
         *,
+        addresses: Sequence[str] | None = None,
         token: str | None = None,
         timeout_s: float = 60.0,
         retries: int = 4,
@@ -75,14 +89,16 @@ class RemoteTeacher:
         max_request_sequences: int = 256,
         max_request_tokens: int = 65536,
     ):
+        if (address is None) == (addresses is None):
+            raise ValueError(
+                "`address` or `addresses` must be given, not both; received "
+                f"address={address!r}, addresses={addresses!r}"
+            )
         if not timeout_s > 0:
             raise ValueError(f"`timeout_s` must be > 0; received {timeout_s!r}")
-        if retries < 0:
-            raise ValueError(f"`retries` must be >= 0; received {retries!r}")
-        if not 0 <= backoff_s <= max_backoff_s:
-            raise ValueError(
-                f"`backoff_s` must be in [0, max_backoff_s={max_backoff_s}]; received {backoff_s!r}"
-            )
+        self.retry_policy = RetryPolicy(
+            retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s
+        )
         for field, value in (
             ("max_request_sequences", max_request_sequences),
             ("max_request_tokens", max_request_tokens),
@@ -90,32 +106,26 @@ class RemoteTeacher:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{field}` must be a positive int; received {value!r}")
-        if tls_server_name is not None and tls_root_cert_file is None:
-            raise ValueError(
-                "`tls_root_cert_file` must be given with tls_server_name (a name override "
-                "on a plaintext channel would verify nothing); received None"
-            )
-        self.address = address
+        if addresses is None:
+            self.addresses: tuple[str, ...] = (address,)
+            target, lb_policy = address, None
+        else:
+            target, lb_policy = channel_target(addresses), "round_robin"
+            self.addresses = tuple(addresses)
+        #: The server(s), as error messages name them.
+        self.address = ",".join(self.addresses)
         self.max_request_sequences = max_request_sequences
         self.max_request_tokens = max_request_tokens
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
         self._metadata = bearer_metadata(token)
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        if tls_server_name is not None:
-            options.append(("grpc.ssl_target_name_override", tls_server_name))
-        if tls_root_cert_file is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            roots = Path(tls_root_cert_file).read_bytes()
-            credentials = grpc.ssl_channel_credentials(root_certificates=roots)
-            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._channel = open_channel(
+            target,
+            max_message_bytes=max_message_bytes,
+            tls_root_cert_file=tls_root_cert_file,
+            tls_server_name=tls_server_name,
+            lb_policy=lb_policy,
+        )
         self._stub = teacher_pb2_grpc.TeacherServiceStub(self._channel)
 
     def info(self) -> TeacherInfo:
@@ -191,20 +201,19 @@ class RemoteTeacher:
         self.close()
 
     def _call(self, method: Callable[..., _T], request: object) -> _T:
-        attempt = 0
-        while True:
-            try:
-                return method(request, timeout=self.timeout_s, metadata=self._metadata)
-            except grpc.RpcError as error:
-                code = error.code()
-                if code == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
-                    delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
-                    time.sleep(delay * random.uniform(0.5, 1.0))
-                    attempt += 1
-                    continue
-                kind = (
-                    InvalidTeacherRequest
-                    if code == grpc.StatusCode.INVALID_ARGUMENT
-                    else TeacherServerError
-                )
-                raise kind(code, error.details() or "", self.address, attempt + 1) from None
+        return call_with_retry(
+            method,
+            request,
+            timeout_s=self.timeout_s,
+            metadata=self._metadata,
+            policy=self.retry_policy,
+            describe=self._error,
+        )
+
+    def _error(self, code: grpc.StatusCode, reason: str, attempts: int) -> TeacherServerError:
+        kind = (
+            InvalidTeacherRequest
+            if code == grpc.StatusCode.INVALID_ARGUMENT
+            else TeacherServerError
+        )
+        return kind(code, reason, self.address, attempts)

@@ -1,21 +1,21 @@
 """What every gRPC server of the project shares: address, auth, TLS, limits, health,
 reflection, graceful stop.
 
-:func:`start_server` builds a ``grpc.server`` from a :class:`ServerConfig`, lets the caller
-register its servicers, adds the standard health service (``grpc.health.v1``, every named
-service reported ``SERVING`` once started) and server reflection, binds, starts, and returns
-a :class:`RunningServer` handle with the bound ``port`` and a ``stop()`` that first reports
-``NOT_SERVING``, then lets in-flight calls finish within the grace period.
+:func:`start_server` builds a ``grpc.server`` from a
+:class:`~services.common.config.ServerConfig`, lets the caller register its servicers, adds
+the standard health service (``grpc.health.v1``, every named service reported ``SERVING``
+once started) and server reflection, binds, starts, and returns a :class:`RunningServer`
+handle with the bound ``port`` and a ``stop()`` that first reports ``NOT_SERVING``, then
+lets in-flight calls finish within the grace period.
 
-Defaults are safe for a single machine: loopback address, no TLS. A server reachable from
-other hosts must have a bearer token (see :mod:`services.auth`); TLS is opt-in with a
-certificate and key file.
+The settings and their rules (loopback or a token, TLS files in pairs, limits) are in
+:mod:`services.common.config`; ``split_address`` and ``is_loopback`` come from there too
+and are importable from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import ssl
 import threading
 from collections.abc import Callable, Sequence
@@ -26,97 +26,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from distill.config import ConfigError
-from services.auth import BearerTokenInterceptor
-
-_MIB = 1 << 20
-
-
-def config_error(field: str, must: str, received: object) -> ConfigError:
-    """A :class:`ConfigError` reading "`field` must ...; received ..."."""
-    return ConfigError(f"`{field}` must {must}; received {received!r}")
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` (IPv6 hosts in brackets) as ``(host, port)``; raises naming `address`."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise config_error(
-            "address", "be host:port with a port in [0, 65535] (0: any free port)", address
-        )
-    return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """Transport settings every server shares.
-
-    ``address``: ``host:port`` to bind; port 0 picks a free one (see ``RunningServer.port``).
-    ``token``: bearer token callers must send; required unless ``address`` is loopback.
-    ``tls_cert_file`` / ``tls_key_file``: PEM server certificate chain and private key; both
-    or neither. ``max_message_bytes``: largest request and response message. ``max_workers``:
-    handler threads (each waiting call holds one). ``max_concurrent_rpcs``: calls beyond
-    this are refused with ``RESOURCE_EXHAUSTED`` by gRPC itself. ``grace_s``: how long
-    ``stop()`` lets in-flight calls finish.
-    """
-
-    address: str = "127.0.0.1:0"
-    token: str | None = dataclasses.field(default=None, repr=False)
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    max_message_bytes: int = 64 * _MIB
-    max_workers: int = 32
-    max_concurrent_rpcs: int = 256
-    grace_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        host, _ = split_address(self.address)
-        if self.token is not None and not self.token:
-            raise config_error("token", "be non-empty or None", "")
-        if self.token is None and not is_loopback(host):
-            raise config_error(
-                "token",
-                f"be set when `address` is not loopback ({self.address}): anyone who can reach "
-                "it could use the server",
-                None,
-            )
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise config_error(
-                "tls_key_file" if self.tls_key_file is None else "tls_cert_file",
-                "be given together with the other TLS file",
-                None,
-            )
-        for field in ("max_message_bytes", "max_workers", "max_concurrent_rpcs"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise config_error(field, "be an int >= 1", value)
-        if self.max_concurrent_rpcs < self.max_workers:
-            raise config_error(
-                "max_concurrent_rpcs",
-                f"be >= max_workers={self.max_workers} (threads beyond it would idle)",
-                self.max_concurrent_rpcs,
-            )
-        if not self.grace_s >= 0:
-            raise config_error("grace_s", "be >= 0", self.grace_s)
-
-    @property
-    def channel_options(self) -> list[tuple[str, int]]:
-        """Message-size options; clients should use the same ones."""
-        return [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
-        ]
+from services.common.auth import BearerTokenInterceptor
+from services.common.config import ServerConfig, config_error, is_loopback, split_address
 
 
 @dataclasses.dataclass
@@ -223,3 +134,6 @@ def start_server(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     host, _ = split_address(config.address)
     return RunningServer(server, health_servicer, host, port, config.grace_s, on_stop)
+
+
+__all__ = ["RunningServer", "ServerConfig", "is_loopback", "split_address", "start_server"]

@@ -1,5 +1,6 @@
 """The teacher scoring server on loopback: same scores as in-process, validation that keeps
-serving, limits, auth, health, reflection, concurrent callers, the CLI in a subprocess.
+serving, limits, auth, health, reflection, concurrent callers, one client over two replicas,
+the CLI in a subprocess.
 
 One tiny causal model is served for the whole module. Sequences stay <= 16 ids and requests
 hold 1, 2 or 4 sequences, so the teacher compiles for few shapes.
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -27,12 +29,12 @@ from distill.models.transformer import Transformer
 from distill.teacher import InProcessTeacher, ScoredSequence, TeacherInfo, check_compatible
 from distill.tokenizer import CharTokenizer
 from services import cli
-from services.auth import bearer_metadata
-from services.client import InvalidTeacherRequest, RemoteTeacher, TeacherServerError
+from services.common.auth import bearer_metadata
 from services.proto import teacher_pb2, teacher_pb2_grpc
-from services.teacher import SERVICE_NAME, TeacherServerConfig, serve_teacher
+from services.teacher.client import InvalidTeacherRequest, RemoteTeacher, TeacherServerError
+from services.teacher.server import SERVICE_NAME, TeacherServerConfig, serve_teacher
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "s3cret-teacher-token"
 MAX_LENGTH = 64
 WAIT_S = 120  # bound on any single wait; only reached when something hangs
@@ -183,6 +185,42 @@ def test_concurrent_clients_each_get_their_own_results(teacher, server):
         assert_same_scores(results[index], expected, exact=False)
 
 
+# ---- several replicas behind one client ----------------------------------------------------
+
+
+def test_one_client_sends_calls_round_robin_to_two_replicas(teacher):
+    # The second replica has the same weights in its own module (the two batcher threads
+    # never share one); the jitted scorer is shared, so nothing new compiles.
+    twin = InProcessTeacher(Transformer(teacher.model.config, rngs=nnx.Rngs(0)), teacher.tokenizer)
+    assert twin.info() == teacher.info()
+    config = TeacherServerConfig(token=TOKEN, max_delay_ms=0.0)
+    sequence = [2, 5, 6, 9]
+    want = teacher.score([sequence])[0].log_probs
+    with (
+        serve_teacher(teacher, config) as first,
+        serve_teacher(twin, config) as second,
+        RemoteTeacher(
+            addresses=[first.address, second.address], token=TOKEN, timeout_s=WAIT_S
+        ) as remote,
+    ):
+        assert remote.info() == teacher.info()
+        calls, deadline = 0, time.monotonic() + WAIT_S
+
+        def counts():
+            return first.stats().requests, second.stats().requests
+
+        # Until both connections are up, round-robin only has the ready one to pick.
+        while min(counts()) == 0 and calls < 100 and time.monotonic() < deadline:
+            np.testing.assert_array_equal(remote.score([sequence])[0].log_probs, want)
+            calls += 1
+        assert min(counts()) >= 1 and sum(counts()) == calls, (counts(), calls)
+        before = counts()
+        for _ in range(8):  # both ready: consecutive calls alternate
+            np.testing.assert_array_equal(remote.score([sequence])[0].log_probs, want)
+        after = counts()
+    assert [b - a for a, b in zip(before, after, strict=True)] == [4, 4], (before, after)
+
+
 # ---- validation keeps serving --------------------------------------------------------------
 
 INVALID = [
@@ -277,8 +315,17 @@ def test_reflection_lists_the_teacher_service_and_its_schema(channel):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"max_batch_sequences": 0}, "`max_batch_sequences` must be an int >= 1; received 0"),
-        ({"max_delay_ms": -1.0}, "`max_delay_ms` must be in [0, 10000]; received -1.0"),
+        (
+            {"max_batch_sequences": 0},
+            "`max_batch_sequences` must be greater than or equal to 1; received 0",
+        ),
+        ({"max_batch_tokens": True}, "`max_batch_tokens` must be a valid integer; received True"),
+        ({"max_delay_ms": -1.0}, "`max_delay_ms` must be greater than or equal to 0; received"),
+        ({"max_delay_ms": 1e5}, "`max_delay_ms` must be less than or equal to 10000; received"),
+        ({"max_request_tokens": 1}, "`max_request_tokens` must be >= 2 (one sequence of two"),
+        ({"grace_s": float("nan")}, "`grace_s` must be greater than or equal to 0; received nan"),
+        ({"token": ""}, "`token` must be non-empty or None; received ''"),
+        ({"max_queue": 3}, "`max_queue` is not a known field; received 3"),
         ({"address": "localhost"}, "`address` must be host:port"),
         ({"address": "0.0.0.0:0"}, "`token` must be set when `address` is not loopback"),
         ({"tls_cert_file": "cert.pem"}, "`tls_key_file` must be given together"),

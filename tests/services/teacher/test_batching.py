@@ -7,9 +7,11 @@ The scorer can be held inside a call, so requests pile up in the queue determini
 import random
 import threading
 
+import grpc
 import pytest
 
-from services.batching import BatcherStopped, DynamicBatcher, QueueFull
+from services.common.status import status_of
+from services.teacher.batching import BatcherStopped, DynamicBatcher, QueueFull
 
 WAIT_S = 30  # generous bound on any single wait; never reached unless something hangs
 
@@ -213,3 +215,10 @@ def test_many_concurrent_callers_never_get_each_others_results():
     assert not errors
     assert batcher.stats().requests == 16 * 40
     batcher.stop()
+
+
+def test_a_full_queue_and_a_stopped_batcher_are_unavailable_to_callers():
+    # Both are transient: servicers answer UNAVAILABLE, which clients retry with backoff.
+    assert status_of(QueueFull("`queue` must have room")) == grpc.StatusCode.UNAVAILABLE
+    assert status_of(BatcherStopped("stopping")) == grpc.StatusCode.UNAVAILABLE
+    assert issubclass(QueueFull, RuntimeError) and issubclass(BatcherStopped, RuntimeError)

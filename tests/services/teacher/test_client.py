@@ -1,20 +1,27 @@
 """RemoteTeacher and the server plumbing against a fake teacher (no model, no JAX compiles):
-retries on UNAVAILABLE only, a full queue, teacher failures, deadlines, TLS."""
+retries on UNAVAILABLE only, a full queue, teacher failures, deadlines, TLS, replicas'
+addresses, and a client process that never loads JAX."""
 
 import datetime
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from distill.teacher import ScoredSequence, TeacherInfo
-from services.client import RemoteTeacher, TeacherServerError
+from distill.teacher_contract import ScoredSequence, TeacherInfo
+from services.common.config import ServerConfig
+from services.common.server import start_server
 from services.proto import teacher_pb2, teacher_pb2_grpc
-from services.server import ServerConfig, start_server
-from services.teacher import SERVICE_NAME, TeacherServerConfig, serve_teacher
-from services.teacher_messages import info_to_proto
+from services.teacher.client import RemoteTeacher, TeacherServerError
+from services.teacher.messages import info_to_proto
+from services.teacher.server import SERVICE_NAME, TeacherServerConfig, serve_teacher
 
+ROOT = Path(__file__).resolve().parents[3]
 WAIT_S = 60
 INFO = TeacherInfo(
     vocab_size=10,
@@ -248,3 +255,42 @@ def test_score_request_message_is_what_the_contract_says():
     request = teacher_pb2.ScoreRequest(sequences=[teacher_pb2.TokenSequence(ids=[1, 2, 3])])
     field = request.sequences[0].DESCRIPTOR.fields_by_name["ids"]
     assert field.is_packed and request.top_k == 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({}, "^`address` or `addresses` must be given, not both; received address=None"),
+        (
+            {"address": "127.0.0.1:1", "addresses": ["127.0.0.1:2"]},
+            "^`address` or `addresses` must be given, not both",
+        ),
+        ({"addresses": ["teacher-0:1", "teacher-1:1"]}, "^`addresses` must be host:port with IP"),
+        ({"address": "127.0.0.1:1", "retries": -1}, "^`retries` must be greater than or equal"),
+        ({"address": "127.0.0.1:1", "backoff_s": 9.0}, r"^`backoff_s` must be in \[0, max_back"),
+    ],
+)
+def test_bad_client_arguments_name_the_field(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        RemoteTeacher(**arguments)
+
+
+def test_replica_addresses_share_one_round_robin_channel(fake):
+    with serve_teacher(fake) as first, serve_teacher(FakeTeacher()) as second:
+        addresses = [first.address, second.address]
+        with RemoteTeacher(addresses=addresses, retries=0) as remote:
+            assert remote.address == ",".join(addresses) and remote.addresses == tuple(addresses)
+            scores = [remote.score([[1, 2, 3]])[0].log_probs.tolist() for _ in range(6)]
+    assert scores == [[-2, -3]] * 6
+    assert first.stats().requests + second.stats().requests == 6
+
+
+def test_the_teacher_client_process_never_loads_jax():
+    # A learner-side process that only calls a teacher server must stay light: the client
+    # imports the teacher contract, not distill.teacher (JAX, Flax).
+    code = "import sys, services.teacher.client; assert 'jax' not in sys.modules, 'jax loaded'"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr

@@ -33,15 +33,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Generic, TypeVar
 
+from services.common.status import Unavailable
+
 Result = TypeVar("Result")
 
 
-class QueueFull(RuntimeError):
-    """The batcher already holds ``max_queue_requests`` waiting requests."""
+class QueueFull(Unavailable):
+    """The batcher already holds ``max_queue_requests`` waiting requests (transient: a
+    servicer answers ``UNAVAILABLE``, see :mod:`services.common.status`)."""
 
 
-class BatcherStopped(RuntimeError):
-    """The batcher was stopped before the request was scored."""
+class BatcherStopped(Unavailable):
+    """The batcher was stopped before the request was scored (``UNAVAILABLE``)."""
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,0 +1,177 @@
+"""The OPD update step: exact packed replay of a prepared batch under the live student (and
+the frozen reference, when the loss has a reference KL), the configured
+:class:`~distill.losses.OpdLoss` with the trace's ``action_logps`` as behaviour log-probs
+(the importance ratio of a stale rollout), and one optimizer update, all in one ``jax.jit``.
+
+``optimizer.microbatches`` is refused for OPD by the job config: the advantages use
+batch-wide baselines, so row slices would not add up to the whole batch's update.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from distill.diffusion.replay import CompletionReplay, num_steps_bucket, replay_completion
+from distill.losses import OpdLoss
+from distill.models.transformer import Transformer
+from distill.opd.batch import PreparedBatch
+
+
+def _full_teacher(ids: jax.Array, log_probs: jax.Array, vocab: int) -> jax.Array:
+    """Teacher top-k (k = its whole vocabulary) -> ``[..., vocab]`` log-probs, -inf on ids
+    it does not have (the student's appended mask id)."""
+    full = jnp.full((*ids.shape[:-1], vocab), -jnp.inf, jnp.float32)
+    return jnp.put_along_axis(full, ids, log_probs, axis=-1, inplace=False)
+
+
+def _without_id(ids: jax.Array, log_probs: jax.Array, excluded: int) -> jax.Array:
+    """The teacher's top-k renormalized off ``excluded`` (the mask id, which the student
+    never samples: a teacher mass there would make the forward KL infinite). Exact when the
+    id is among the top-k; otherwise its (small) mass stays in the tail bucket."""
+    hit = ids == excluded
+    mass = jnp.sum(jnp.where(hit, jnp.exp(log_probs), 0.0), axis=-1, keepdims=True)
+    kept = jnp.log1p(-jnp.minimum(mass, 1.0 - 1e-6))
+    return jnp.where(hit, -jnp.inf, log_probs - kept)
+
+
+def _loss_inputs(
+    loss: OpdLoss,
+    replayed: CompletionReplay,
+    prepared: PreparedBatch,
+    reference_logps: jax.Array | None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Everything in completion space ``[B, N]``; the weights of absent slots are 0."""
+    trace, gather = prepared.trace, replayed.gather
+    weights = jnp.where(replayed.present, gather(prepared.weights), 0.0)
+    available = {
+        "student_logps": replayed.logps,
+        "behaviour_logps": gather(trace.action_logps),
+        "teacher_logps": gather(prepared.teacher_logps),
+        "order": gather(trace.positions),
+        "student_log_probs": replayed.log_probs,
+        "rewards": prepared.rewards,
+        "group_ids": prepared.group_ids,
+        "reference_logps": reference_logps,
+    }
+    if prepared.teacher_topk_ids is not None:
+        ids, logps = gather(prepared.teacher_topk_ids), gather(prepared.teacher_topk_logps)
+        logps = _without_id(ids, logps, trace.settings.mask_id)
+        if loss.teacher_top_k is None:
+            vocab = replayed.log_probs.shape[-1]
+            available["teacher_log_probs"] = _full_teacher(ids, logps, vocab)
+        else:
+            available |= {"teacher_topk_ids": ids, "teacher_topk_logps": logps}
+    inputs = {name: available.get(name) for name in loss.required_inputs()}
+    if replayed.gathered_logps is not None:  # top-k: the student at the teacher's ids only
+        del inputs["student_log_probs"]
+        inputs["student_topk_logps"] = replayed.gathered_logps
+    return weights, inputs
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "reference_graphdef", "loss", "num_chunks"),
+    donate_argnums=(1,),
+)
+def _opd_step(
+    graphdef,
+    state,
+    reference_state,
+    prepared: PreparedBatch,
+    *,
+    reference_graphdef,
+    loss: OpdLoss,
+    num_chunks: int,
+):
+    optimizer, model = nnx.merge(graphdef, state)
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    trace = prepared.trace
+    # Full kinds need the student's whole distribution; top-k kinds only its log-probs at
+    # the teacher's ids (never [B, N, V]); reverse_kl only the actions'.
+    distributions = loss.kind != "reverse_kl" and loss.teacher_top_k is None
+    gather_ids = None
+    if loss.kind != "reverse_kl" and loss.teacher_top_k is not None:
+        gather_ids = prepared.teacher_topk_ids
+    reference_logps = None
+    if reference_graphdef is not None:
+        reference = nnx.merge(reference_graphdef, reference_state)
+        reference_logps = jax.lax.stop_gradient(
+            replay_completion(reference, trace, num_chunks=num_chunks).logps
+        )
+
+    def objective(params):
+        student = nnx.merge(graph, params, rest)
+        replayed = replay_completion(
+            student,
+            trace,
+            num_chunks=num_chunks,
+            distributions=distributions,
+            gather_ids=gather_ids,
+        )
+        weights, inputs = _loss_inputs(loss, replayed, prepared, reference_logps)
+        terms = loss(weights, **inputs)
+        return terms.value(), terms
+
+    (value, terms), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    optimizer.update(model, grads)
+    weight = jnp.sum(prepared.weights)
+    metrics = {
+        "loss": value,
+        "grad_norm": optax.tree.norm(grads),
+        "teacher_logp": jnp.sum(prepared.teacher_logps) / jnp.maximum(weight, 1.0),
+    }
+    metrics |= {name: weighted.value() for name, weighted in terms.metrics.items()}
+    metrics["invalid_rows"] = jnp.sum(prepared.invalid_rows)
+    if prepared.rewards is not None:
+        metrics["reward"] = jnp.mean(prepared.rewards)
+    return nnx.state((optimizer, model)), metrics
+
+
+def opd_update(
+    optimizer: nnx.Optimizer,
+    model: Transformer,
+    prepared: PreparedBatch,
+    loss: OpdLoss,
+    *,
+    reference: Transformer | None = None,
+) -> dict[str, float]:
+    """One OPD optimizer update of ``model`` (in place) from a prepared batch. ``reference``
+    (a frozen student) is required when ``loss.kl_reference_weight > 0``."""
+    if loss.kl_reference_weight > 0 and reference is None:
+        raise ValueError("`reference` must be given when loss.kl_reference_weight > 0")
+    if loss.kind != "reverse_kl" and prepared.teacher_topk_ids is None:
+        raise ValueError(
+            f"`prepared.teacher_topk_ids` must be given for loss.kind={loss.kind!r} "
+            "(prepare the batch with the teacher's top-k: see `teacher_top_k`)"
+        )
+    if loss.task_reward_weight > 0 and (prepared.rewards is None or prepared.group_ids is None):
+        raise ValueError(
+            "`prepared.rewards` and `prepared.group_ids` must be given when "
+            "loss.task_reward_weight > 0"
+        )
+    graphdef, state = nnx.split((optimizer, model))
+    reference_graphdef, reference_state = None, None
+    if loss.kl_reference_weight > 0:
+        reference_graphdef, reference_state = nnx.split(reference)
+    state, metrics = _opd_step(
+        graphdef,
+        state,
+        reference_state,
+        prepared,
+        reference_graphdef=reference_graphdef,
+        loss=loss,
+        num_chunks=num_steps_bucket(prepared.trace),
+    )
+    nnx.update((optimizer, model), state)
+    return {name: float(value) for name, value in metrics.items()}
+
+
+def frozen_copy(model: Transformer) -> Transformer:
+    """An independent copy (fresh buffers: training donates the live model's)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))

@@ -1,0 +1,271 @@
+"""Ray actor classes of a distillation job: teacher replicas, the learner, rollout workers.
+
+Plain classes: :mod:`services.cluster.placement` wraps them with ``ray.remote`` and the
+resources of the job's ``cluster:`` section. Each takes the job as a plain dict (the
+validated :class:`~services.common.config.JobSpec` dumped), imports JAX and the library only
+inside its methods (so importing this module, as the driver does, stays light), and starts
+or reaches gRPC services on the configured host.
+
+- :class:`TeacherReplica`: the trained causal teacher behind the teacher scoring server.
+- :class:`LearnerActor`: :class:`~services.learner.service.LearnerRuntime` (the student,
+  the run contract and checkpoints, ``LearnerService``); publishes each policy version's
+  weights to the Ray object store (:meth:`LearnerActor.weights` hands out the reference).
+  Threaded, so weight and status calls are served while :meth:`LearnerActor.run` trains.
+- :class:`RolloutWorkerActor`: a :class:`~services.rollout.worker.RolloutWorker`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+#: Ray metric names the actors export (through Ray's own Prometheus exporter).
+METRIC_PREFIX = "distill_"
+
+
+def _configure_cpu_threads(threads: int | None) -> None:
+    """Limit XLA's CPU backend to ``threads`` threads (``cluster.<role>.cpu_threads``, also
+    passed as ``DISTILL_CPU_THREADS``); must run before JAX is imported in the process."""
+    threads = threads or int(os.environ.get("DISTILL_CPU_THREADS", "0")) or None
+    if threads is None:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} "
+        f"intra_op_parallelism_threads={threads}"
+    ).strip()
+
+
+def _job(job: dict[str, Any]):
+    from services.common.config import JobSpec
+
+    return JobSpec(**job)
+
+
+def _token(job) -> str | None:
+    from services.common.auth import read_token
+
+    return None if job.cluster.token_file is None else read_token(job.cluster.token_file)
+
+
+class TeacherReplica:
+    """One teacher scoring server holding the trained teacher of ``teacher_run``."""
+
+    def __init__(self, job: dict[str, Any], teacher_run: str, replica: int = 0):
+        self.job = _job(job)
+        _configure_cpu_threads(self.job.cluster.teacher.cpu_threads)
+        self.teacher_run = teacher_run
+        self.replica = replica
+        self.server = None
+
+    def start(self) -> str:
+        """Load the teacher, serve it; returns the bound ``host:port``."""
+        from distill import pipeline
+        from distill.teacher import InProcessTeacher
+        from services.teacher.server import TeacherServerConfig, serve_teacher
+
+        model = pipeline.load_teacher_run(self.job, self.teacher_run)
+        teacher = InProcessTeacher(model, pipeline.job_tokenizer(self.job))
+        config = TeacherServerConfig(address=f"{self.job.cluster.host}:0", token=_token(self.job))
+        self.server = serve_teacher(teacher, config)
+        return self.server.address
+
+    def stats(self) -> dict[str, Any]:
+        import dataclasses
+
+        return {} if self.server is None else dataclasses.asdict(self.server.stats())
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+class LearnerActor:
+    """The job's learner (module docstring). ``teacher_addresses``: the replicas' addresses
+    (one round-robin channel). ``opd_dir``: the OPD run directory (contract, checkpoints,
+    TensorBoard curves); ``student_run``: the finished warm-up run it starts from."""
+
+    def __init__(
+        self,
+        job: dict[str, Any],
+        *,
+        student_run: str,
+        opd_dir: str,
+        teacher_addresses: list[str],
+        shards_per_step: int,
+        teacher_run: str | None = None,
+    ):
+        self.job = _job(job)
+        _configure_cpu_threads(self.job.cluster.learner.cpu_threads)
+        self.student_run, self.opd_dir = student_run, opd_dir
+        self.teacher_run = teacher_run
+        self.teacher_addresses = list(teacher_addresses)
+        self.shards_per_step = shards_per_step
+        self.runtime = None
+        self._published: dict[int, Any] = {}
+        self._condition = threading.Condition()
+        self._metrics: dict[str, Any] = {}
+        self._log: list[str] = []
+
+    def _publish(self, version: int, weights: dict[str, Any]) -> None:
+        import ray
+
+        reference = ray.put(weights)
+        keep = version - self.job.loss.max_staleness - 1
+        with self._condition:
+            self._published[version] = reference
+            for old in [v for v in self._published if v < keep]:
+                del self._published[old]
+            self._condition.notify_all()
+
+    def _record_metrics(self, metrics: dict[str, float]) -> None:
+        from ray.util import metrics as ray_metrics
+
+        if not self._metrics:
+            gauges = (
+                "queued_rows",
+                "staleness",
+                "dropped_stale_rows",
+                "publish_seconds",
+                "teacher_seconds",
+                "step_seconds",
+                "tokens_per_forward",
+                "loss",
+            )
+            self._metrics = {
+                name: ray_metrics.Gauge(METRIC_PREFIX + name, description=f"OPD learner {name}")
+                for name in gauges
+            }
+            self._metrics["steps"] = ray_metrics.Counter(
+                METRIC_PREFIX + "steps", description="OPD updates applied"
+            )
+        for name, gauge in self._metrics.items():
+            if name == "steps":
+                gauge.inc()
+            elif name in metrics:
+                gauge.set(float(metrics[name]))
+
+    def start(self) -> dict[str, Any]:
+        """Load the student, reach the teacher, open (or resume) the run and serve
+        ``LearnerService``; returns ``{"address", "step"}``."""
+        from flax import nnx
+
+        from distill import pipeline
+        from distill.opd.learner import OpdLearner
+        from services.common.config import ServerConfig
+        from services.learner.service import LearnerRuntime
+        from services.teacher.client import RemoteTeacher
+
+        job = self.job
+        teacher_model = None
+        if job.student_init == "teacher":
+            teacher_model = pipeline.load_teacher_run(job, self.teacher_run)
+        student = pipeline.load_student_run(job, self.student_run, teacher=teacher_model)
+        del teacher_model
+        token = _token(job)
+        teacher = RemoteTeacher(
+            addresses=self.teacher_addresses,
+            token=token,
+            timeout_s=job.cluster.teacher_timeout_s,
+            retries=job.cluster.teacher_retry.retries,
+            backoff_s=job.cluster.teacher_retry.backoff_s,
+            max_backoff_s=job.cluster.teacher_retry.max_backoff_s,
+        )
+        learner = OpdLearner(
+            job,
+            student,
+            teacher,
+            pipeline.job_tokenizer(job),
+            run_dir=self.opd_dir,
+            trace_dir=os.path.join(self.opd_dir, "traces") if job.cluster.record_traces else None,
+            log=self._log.append,
+        )
+        self.runtime = LearnerRuntime(
+            learner,
+            shards_per_step=self.shards_per_step,
+            publish=self._publish,
+            server_config=ServerConfig(address=f"{job.cluster.host}:0", token=token),
+            step_timeout_s=job.cluster.step_timeout_s,
+            tensorboard_dir=os.path.join(self.opd_dir, "tensorboard"),
+            on_metrics=self._record_metrics,
+        )
+        del nnx
+        address = self.runtime.start()
+        return {"address": address, "step": learner.step}
+
+    def weights(self, version: int, timeout_s: float = 600.0) -> list[Any]:
+        """``[reference]`` to the published weights of ``version`` (waiting for them up to
+        ``timeout_s``). Wrapped in a list so Ray hands out the reference, not the value."""
+        deadline = time.monotonic() + timeout_s
+        with self._condition:
+            while version not in self._published:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"weights of policy version {version} were not published within "
+                        f"{timeout_s:.0f} s (published: {sorted(self._published)})"
+                    )
+                self._condition.wait(remaining)
+            return [self._published[version]]
+
+    def run(self) -> dict[str, Any]:
+        """Train to the end; returns this call's metrics, the evaluations and the status."""
+        history = self.runtime.run()
+        learner = self.runtime.learner
+        return {
+            "history": history,
+            "evaluations": [{"step": at, **report.to_dict()} for at, report in learner.reports],
+            "status": self.runtime.status(),
+            "log": list(self._log),
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {} if self.runtime is None else self.runtime.status()
+
+    def log_lines(self, start: int = 0) -> list[str]:
+        return self._log[start:]
+
+    def stop(self) -> None:
+        if self.runtime is not None:
+            self.runtime.stop()
+
+
+class RolloutWorkerActor:
+    """One rollout worker; ``learner`` is the learner actor's handle (for weights)."""
+
+    def __init__(self, job: dict[str, Any], *, worker_id: str, learner_address: str, learner):
+        self.job = _job(job)
+        _configure_cpu_threads(self.job.cluster.rollout.cpu_threads)
+        self.worker_id = worker_id
+        self.learner_address = learner_address
+        self.learner = learner
+        self.stop_event = threading.Event()
+
+    def _fetch(self, version: int) -> dict[str, Any]:
+        import ray
+
+        timeout = self.job.cluster.step_timeout_s
+        (reference,) = ray.get(self.learner.weights.remote(version, timeout), timeout=timeout + 30)
+        return ray.get(reference, timeout=timeout)
+
+    def run(self) -> dict[str, float]:
+        """Roll out assigned shards until the learner answers DONE."""
+        from services.rollout.worker import RolloutWorker
+
+        worker = RolloutWorker(
+            self.job,
+            worker_id=self.worker_id,
+            learner_address=self.learner_address,
+            fetch_weights=self._fetch,
+            token=_token(self.job),
+            call_timeout_s=self.job.cluster.step_timeout_s,
+        )
+        try:
+            return worker.run(self.stop_event)
+        finally:
+            worker.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()

@@ -1,0 +1,72 @@
+"""Where a job's actors go: Ray actor options from the job's ``cluster:`` roles, and the
+embedded local Ray a job starts when it is given no cluster address.
+
+The embedded Ray binds loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, node address
+127.0.0.1, no dashboard), keeps usage stats off, and announces as many logical CPUs as the
+job's actors ask for (a laptop oversubscribes its cores rather than refusing to place).
+On a TPU cluster a role's ``resources`` names the slice resource (e.g.
+``{"TPU-v5e-8-head": 1}``) so each actor lands on its own slice host.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from services.common.config import ClusterConfig, RoleConfig
+
+RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def actor_options(role: RoleConfig, *, max_concurrency: int = 1) -> dict[str, Any]:
+    """``ray.remote(...).options(...)`` keywords for one actor of ``role``."""
+    options: dict[str, Any] = {
+        "num_cpus": role.num_cpus,
+        "num_gpus": role.num_gpus,
+        "max_concurrency": max_concurrency,
+    }
+    if role.resources:
+        options["resources"] = dict(role.resources)
+    env = dict(RAY_ENVIRONMENT)
+    if role.cpu_threads is not None:
+        # A dedicated process whose XLA CPU backend uses that many threads (set before JAX
+        # is imported there).
+        env["DISTILL_CPU_THREADS"] = str(role.cpu_threads)
+    options["runtime_env"] = {"env_vars": env}
+    return options
+
+
+def logical_cpus(cluster: ClusterConfig) -> float:
+    """CPUs the job's actors ask for in all (plus one for phase-training tasks)."""
+    roles = (cluster.teacher, cluster.rollout, cluster.learner)
+    return sum(role.count * role.num_cpus for role in roles) + 1
+
+
+def start_ray(address: str | None, cluster: ClusterConfig, temp_dir: str | Path | None) -> bool:
+    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start an embedded local
+    Ray on loopback; returns whether this call started one (then the caller shuts it down).
+    Every process that starts or joins Ray gets :data:`RAY_ENVIRONMENT`."""
+    import ray
+
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ[name] = value
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        ray.init(address=address, logging_level="warning", log_to_driver=True)
+        return False
+    kwargs: dict[str, Any] = {}
+    if temp_dir is not None:
+        Path(temp_dir).mkdir(parents=True, exist_ok=True)
+        kwargs["_temp_dir"] = str(Path(temp_dir).absolute())
+    ray.init(
+        num_cpus=max(int(logical_cpus(cluster) + 0.999), os.cpu_count() or 1),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level="warning",
+        log_to_driver=True,
+        **kwargs,
+    )
+    return True

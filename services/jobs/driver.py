@@ -1,0 +1,239 @@
+"""The job driver: one distillation job on Ray, end to end (``distill run``).
+
+1. join the cluster at ``address`` (or start an embedded local Ray on loopback);
+2. train (or resume, or reuse) the causal teacher and warm up the student, each phase a Ray
+   task on the job's run directory (``RUN/teacher``, ``RUN/student``);
+3. place ``cluster.teacher.count`` teacher replicas and check them from here: compatible
+   with the student, one model, deterministic (:mod:`services.jobs.checks`);
+4. place the learner (``RUN/opd``: contract, checkpoints, TensorBoard curves), which
+   resumes from its newest checkpoint, and ``cluster.rollout.count`` rollout workers;
+5. train to the end while showing progress, watching every actor: a failed actor ends the
+   job with an error naming it; a step that waits longer than ``cluster.step_timeout_s``
+   for its rollouts fails with a message naming the missing rows.
+
+The driver imports neither JAX nor the model code: actors do, in their own processes.
+Rerunning the same command resumes: finished phases are reused, OPD continues from its
+newest checkpoint and regenerates the rollouts that were in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distill.data.stream import TaskStream, encode_example
+from distill.job import JobPlan
+from services.cluster import actors
+from services.cluster.placement import actor_options, start_ray
+from services.common.auth import read_token
+from services.common.config import JobSpec
+from services.jobs.checks import check_teachers
+
+Log = Callable[[str], None]
+
+
+class JobFailed(RuntimeError):
+    """The job stopped: the message names the actor or stage that failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """What a finished job reports: per-step metrics of this run, the OPD evaluations
+    (including earlier runs'), the learner's final status and the actors placed."""
+
+    run_dir: Path
+    history: list[dict[str, float]]
+    evaluations: list[dict[str, Any]]
+    status: dict[str, Any]
+    actors: dict[str, int]
+    teacher_addresses: list[str]
+
+
+def _wait(reference, timeout_s: float | None, what: str):
+    """The result of ``reference``; ``JobFailed`` naming ``what`` on failure or timeout
+    (None: no deadline, for training phases whose length the job sets)."""
+    import ray
+
+    ready, _ = ray.wait([reference], timeout=timeout_s)
+    if not ready:
+        raise JobFailed(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    try:
+        return ray.get(reference)
+    except Exception as error:
+        raise JobFailed(f"{what} failed: {_reason(error)}") from error
+
+
+def _reason(error: BaseException) -> str:
+    cause = getattr(error, "cause", None)
+    if cause is not None and cause is not error:
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(error).__name__}: {error}"
+
+
+def _train_phases(job: dict[str, Any], run_dir: str, progress: bool) -> None:
+    """Teacher training and student warm-up (resumable; reused when finished)."""
+    from distill import pipeline
+    from services.common.config import JobSpec
+
+    spec = JobSpec(**job)
+    teacher, _ = pipeline.train_teacher(spec, Path(run_dir) / "teacher", progress=progress)
+    if spec.student_init != "teacher":
+        teacher = None
+    pipeline.warmup_student(spec, Path(run_dir) / "student", teacher=teacher, progress=progress)
+
+
+def run_job(
+    job: JobSpec,
+    run_dir: str | Path,
+    *,
+    address: str | None = None,
+    ray_temp_dir: str | Path | None = None,
+    progress: bool = True,
+    log: Log = print,
+) -> JobResult:
+    """Run (or resume) ``job`` in ``run_dir`` on Ray (module docstring)."""
+    import ray
+
+    run_dir = Path(run_dir).absolute()
+    cluster = job.cluster
+    plan = JobPlan.from_job(job)
+    payload = job.model_dump(mode="json")
+    started_ray = start_ray(address, cluster, ray_temp_dir)
+    placed: list[Any] = []
+    try:
+        log(f"== phases: teacher and student warm-up in {run_dir}")
+        phase_task = ray.remote(num_cpus=1)(_train_phases)
+        _wait(
+            phase_task.remote(payload, str(run_dir), progress),
+            None,
+            "teacher training and student warm-up",
+        )
+
+        teacher_class = ray.remote(actors.TeacherReplica)
+        replicas = [
+            teacher_class.options(**actor_options(cluster.teacher)).remote(
+                payload, str(run_dir / "teacher"), index
+            )
+            for index in range(cluster.teacher.count)
+        ]
+        placed += replicas
+        addresses = [
+            _wait(
+                replica.start.remote(), cluster.start_timeout_s, f"teacher replica {index} to start"
+            )
+            for index, replica in enumerate(replicas)
+        ]
+        log(f"== {len(addresses)} teacher replica(s) serving on {', '.join(addresses)}")
+        _check_teachers(job, plan, addresses)
+
+        learner_class = ray.remote(actors.LearnerActor)
+        learner = learner_class.options(
+            **actor_options(cluster.learner, max_concurrency=16)
+        ).remote(
+            payload,
+            student_run=str(run_dir / "student"),
+            opd_dir=str(run_dir / "opd"),
+            teacher_addresses=addresses,
+            shards_per_step=cluster.rollout.count,
+            teacher_run=str(run_dir / "teacher"),
+        )
+        placed.append(learner)
+        started = _wait(learner.start.remote(), cluster.start_timeout_s, "the learner to start")
+        log(f"== learner serving on {started['address']}, starting at step {started['step']}")
+
+        worker_class = ray.remote(actors.RolloutWorkerActor)
+        workers = [
+            worker_class.options(**actor_options(cluster.rollout, max_concurrency=2)).remote(
+                payload,
+                worker_id=f"rollout-{index}",
+                learner_address=started["address"],
+                learner=learner,
+            )
+            for index in range(cluster.rollout.count)
+        ]
+        placed += workers
+        runs = {
+            worker.run.remote(): f"rollout worker {index}" for index, worker in enumerate(workers)
+        }
+        result = _supervise(learner, runs, job.opd.steps, started["step"], progress, log)
+        return JobResult(
+            run_dir=run_dir,
+            history=result["history"],
+            evaluations=result["evaluations"],
+            status=result["status"],
+            actors={
+                "teacher replicas": cluster.teacher.count,
+                "rollout workers": cluster.rollout.count,
+                "learner": 1,
+            },
+            teacher_addresses=addresses,
+        )
+    finally:
+        for actor in placed:
+            ray.kill(actor)
+        if started_ray:
+            ray.shutdown()
+
+
+def _check_teachers(job: JobSpec, plan: JobPlan, addresses: list[str]) -> None:
+    from services.teacher.client import RemoteTeacher
+
+    token = None if job.cluster.token_file is None else read_token(job.cluster.token_file)
+    clients = [
+        RemoteTeacher(address, token=token, timeout_s=job.cluster.teacher_timeout_s)
+        for address in addresses
+    ]
+    try:
+        prompt, answer = encode_example(TaskStream(job.data).batch(0, 1)[0], plan.tokenizer)
+        check_teachers(clients, addresses, plan.tokenizer, job.student.vocab_size, prompt + answer)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def _supervise(learner, runs: dict, steps: int, start: int, progress: bool, log: Log) -> dict:
+    """Wait for the learner's run while watching the workers; show progress."""
+    import ray
+    import tqdm
+
+    run = learner.run.remote()
+    bar = tqdm.tqdm(total=steps, initial=start, desc="opd", unit="step", disable=not progress)
+    pending = dict(runs)
+    printed = 0
+    try:
+        while True:
+            ready, _ = ray.wait([run, *pending], num_returns=1, timeout=1.0)
+            if run in ready:
+                try:
+                    result = ray.get(run)
+                except Exception as error:
+                    raise JobFailed(f"the learner failed: {_reason(error)}") from error
+                bar.update(steps - bar.n)
+                for line in result["log"][printed:]:
+                    log(line)
+                return result
+            for reference in ready:
+                name = pending.pop(reference)
+                try:
+                    ray.get(reference)
+                except Exception as error:
+                    raise JobFailed(f"{name} failed: {_reason(error)}") from error
+            try:
+                status = ray.get(learner.status.remote(), timeout=30)
+                lines = ray.get(learner.log_lines.remote(printed), timeout=30)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            for line in lines:
+                bar.write(line) if progress else log(line)
+            printed += len(lines)
+            if status:
+                bar.update(status["step"] - bar.n)
+                bar.set_postfix(
+                    queued=status["queued_rows"], stale=status["dropped_stale_rows"], refresh=False
+                )
+            time.sleep(0.2)
+    finally:
+        bar.close()

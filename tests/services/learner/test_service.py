@@ -1,0 +1,152 @@
+"""LearnerService on loopback: work assignment, pushes checked row by row, malformed traces
+refused with INVALID_ARGUMENT naming the field while the service keeps serving, and the
+runtime training what the workers pushed."""
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from distill import pipeline
+from distill.diffusion.denoise import rollout
+from distill.opd.learner import OpdLearner
+from distill.opd.records import RolloutBatch
+from distill.teacher import InProcessTeacher
+from services.learner.service import LearnerRuntime
+from services.proto import learner_pb2, learner_pb2_grpc
+from services.rollout.messages import rows_to_proto
+from services.rollout.worker import RolloutWorker
+from tests.support.fakes import tiny_job, tiny_models
+
+
+@pytest.fixture(scope="module")
+def service():
+    job = tiny_job("opd.steps=2", "loss.max_staleness=0")
+    teacher_model, student = tiny_models(job)
+    tokenizer = pipeline.job_tokenizer(job)
+    learner = OpdLearner(
+        job, student, InProcessTeacher(teacher_model, tokenizer), tokenizer, log=lambda _: None
+    )
+    published = {}
+    runtime = LearnerRuntime(
+        learner,
+        shards_per_step=2,
+        publish=lambda version, weights: published.__setitem__(version, weights),
+        step_timeout_s=120,
+    )
+    address = runtime.start()
+    channel = grpc.insecure_channel(address)
+    stub = learner_pb2_grpc.LearnerServiceStub(channel)
+    yield job, runtime, stub, published, address
+    channel.close()
+    runtime.stop(grace_s=1)
+
+
+def valid_rows(job, runtime, step=0, rows=(0, 1)):
+    learner = runtime.learner
+    trace = rollout(
+        learner.student,
+        learner.prompts(step, list(rows)),
+        learner.settings,
+        seed=job.seed,
+        global_step=step,
+        row_ids=list(rows),
+    )
+    positions = [learner.stream_positions(step)[row] for row in rows]
+    batch = RolloutBatch.from_trace(
+        trace, step=step, policy_version=0, row_ids=list(rows), stream_positions=positions
+    )
+    return rows_to_proto(batch, seed=job.seed, worker_id="test")
+
+
+def first_completion(row):
+    return list(row.completion_mask).index(True)
+
+
+def corrupt(rows, edit):
+    rows = [type(row).FromString(row.SerializeToString()) for row in rows]
+    edit(rows[0])
+    return rows
+
+
+def push_error(stub, rows):
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.PushTraces(iter(rows), timeout=30)
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    "field, edit",
+    [
+        ("action_logps", lambda row: row.action_logps.pop()),
+        ("trace.tokens", lambda row: row.tokens.__setitem__(0, 10_000)),
+        ("trace.settings.mask_id", lambda row: setattr(row.settings, "mask_id", 3)),
+        ("trace.block_size", lambda row: setattr(row, "block_size", 5)),
+        ("trace.stream_positions", lambda row: setattr(row, "stream_position", 99)),
+        ("trace.row_ids", lambda row: setattr(row, "row_id", 1000)),
+        ("policy_version", lambda row: setattr(row, "policy_version", 7)),
+        ("action_logps", lambda row: row.action_logps.__setitem__(first_completion(row), np.nan)),
+    ],
+)
+def test_a_malformed_trace_is_refused_naming_the_field_and_the_learner_keeps_serving(
+    service, field, edit
+):
+    job, runtime, stub, *_ = service
+    before = runtime.counters.invalid_pushes
+    error = push_error(stub, corrupt(valid_rows(job, runtime), edit))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"`{field}" in error.details() or field in error.details(), error.details()
+    assert runtime.counters.invalid_pushes == before + 1
+    status = stub.Status(learner_pb2.StatusRequest(), timeout=10)
+    assert status.invalid_pushes == before + 1 and status.accepted_rows == 0
+
+
+def test_an_empty_push_is_refused(service):
+    _, _, stub, *_ = service
+    error = push_error(stub, [])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "`rows`" in error.details()
+
+
+def test_rows_of_work_that_was_never_assigned_are_refused_and_counted(service):
+    job, runtime, stub, *_ = service
+    summary = stub.PushTraces(iter(valid_rows(job, runtime, step=1, rows=(0,))), timeout=30)
+    assert (summary.accepted, summary.refused) == (0, 1)
+
+
+def test_workers_push_assigned_shards_and_the_runtime_trains_them(service):
+    job, runtime, stub, published, address = service
+    trainer = threading.Thread(target=runtime.run, daemon=True)
+    trainer.start()
+    workers = [
+        RolloutWorker(
+            job,
+            worker_id=f"w{index}",
+            learner_address=address,
+            fetch_weights=published.__getitem__,
+            call_timeout_s=120,
+        )
+        for index in range(2)
+    ]
+    counts = [None, None]
+
+    def work(index):
+        counts[index] = workers[index].run()
+
+    threads = [threading.Thread(target=work, args=(index,), daemon=True) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    trainer.join(timeout=300)
+    assert not trainer.is_alive() and runtime.learner.step == 2
+    assert sum(count["rows_pushed"] for count in counts) == 2 * runtime.learner.plan.rows_per_step
+    assert sorted(published) == [0, 1, 2]
+    status = stub.Status(learner_pb2.StatusRequest(), timeout=10)
+    assert status.done and status.step == 2 and not status.error
+    assert runtime.learner.ledger == [[0, 2 * job.data.batch_size]]
+    assert all(np.isfinite(metrics["loss"]) for metrics in runtime.history)
+    done = stub.AcquireWork(learner_pb2.WorkRequest(worker_id="late"), timeout=10)
+    assert done.kind == learner_pb2.WorkAssignment.DONE
+    for worker in workers:
+        worker.close()

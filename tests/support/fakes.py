@@ -1,0 +1,70 @@
+"""Shared fakes for tests and benches: a tiny job, tiny untrained models, scripted teachers.
+
+Untrained models are enough wherever a test checks plumbing, validation or exactness (not
+quality): they compile in seconds and every call is deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from distill.config import load_config
+from distill.models.transformer import Transformer
+from distill.teacher import InProcessTeacher
+from distill.teacher_contract import ScoredSequence, TeacherInfo
+from services.common.config import JobSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: The tiny job: deploy/configs/tiny.yaml shrunk to seconds per step on one core.
+TINY_OVERRIDES = (
+    "teacher.d_model=32",
+    "teacher.d_ff=64",
+    "student.d_model=32",
+    "student.d_ff=64",
+    "student_init=scratch",
+    "data.batch_size=4",
+    "opd.steps=4",
+    "opd.eval_examples=2",
+)
+
+
+def tiny_job(*overrides: str) -> JobSpec:
+    return load_config(ROOT / "deploy/configs/tiny.yaml", JobSpec, [*TINY_OVERRIDES, *overrides])
+
+
+def tiny_models(job: JobSpec) -> tuple[Transformer, Transformer]:
+    """(causal teacher, block-diffusion student), untrained, fixed seeds."""
+    return (
+        Transformer(job.teacher, rngs=nnx.Rngs(0)),
+        Transformer(job.student, rngs=nnx.Rngs(1)),
+    )
+
+
+class ScriptedTeacher:
+    """A teacher whose ``info`` can be altered and whose scores can be made to drift between
+    calls (a non-deterministic teacher), over an in-process one."""
+
+    def __init__(self, inner: InProcessTeacher, *, drift: float = 0.0, **info_changes):
+        self.inner = inner
+        self.drift = drift
+        self.calls = 0
+        self._info = dataclasses.replace(inner.info(), **info_changes)
+
+    def info(self) -> TeacherInfo:
+        return self._info
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, top_k: int | None = None
+    ) -> list[ScoredSequence]:
+        self.calls += 1
+        scored = self.inner.score(sequences, top_k=top_k)
+        if not self.drift:
+            return scored
+        shift = np.float32(self.drift * self.calls)
+        return [dataclasses.replace(s, log_probs=s.log_probs - shift) for s in scored]
