@@ -172,6 +172,29 @@ class OpdLearner:
         rows = range(len(examples)) if row_ids is None else row_ids
         return [encode_example(examples[row], self.tokenizer)[0] for row in rows]
 
+    def roll_out(self, row_ids: Sequence[int] | None = None) -> RolloutBatch:
+        """The next step's rollout (all rows, or ``row_ids``) with the live student: what
+        the in-process loop trains on. Each row's randomness is a function of (seed, step,
+        row), so a resumed run regenerates it exactly."""
+        step = self.step
+        rows = list(range(self.plan.rows_per_step)) if row_ids is None else list(row_ids)
+        trace = rollout(
+            self.student,
+            self.prompts(step, rows),
+            self.settings,
+            seed=self.job.seed,
+            global_step=step,
+            row_ids=rows,
+        )
+        positions = self.stream_positions(step)
+        return RolloutBatch.from_trace(
+            trace,
+            step=step,
+            policy_version=self.policy_version,
+            row_ids=rows,
+            stream_positions=[positions[row] for row in rows],
+        )
+
     # ---- training ------------------------------------------------------------------------
 
     def check_rows(self, batch: RolloutBatch) -> None:
@@ -351,20 +374,8 @@ def run_opd(
             learner.evaluate()
         history: list[dict[str, float]] = []
         end = learner.phase.steps if stop_after is None else min(learner.phase.steps, stop_after)
-        rows = list(range(learner.plan.rows_per_step))
-        for step in tqdm.trange(learner.step, end, disable=not progress, desc="opd", unit="step"):
-            # The rollout's randomness is a function of (seed, step, row): resumable exactly.
-            trace = rollout(
-                student, learner.prompts(step), learner.settings, seed=job.seed, global_step=step
-            )
-            batch = RolloutBatch.from_trace(
-                trace,
-                step=step,
-                policy_version=learner.policy_version,
-                row_ids=rows,
-                stream_positions=learner.stream_positions(step),
-            )
-            history.append(learner.train(batch))
+        for _ in tqdm.trange(learner.step, end, disable=not progress, desc="opd", unit="step"):
+            history.append(learner.train(learner.roll_out()))
         if (
             history
             and learner.step % learner.phase.checkpoint_every

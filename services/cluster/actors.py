@@ -188,6 +188,9 @@ class LearnerActor:
             publish=self._publish,
             server_config=ServerConfig(address=f"{job.cluster.host}:0", token=token),
             step_timeout_s=job.cluster.step_timeout_s,
+            # A shard out for half the step's budget is handed to another worker, so a
+            # dead worker costs at most that before the step can still complete.
+            reassign_after_s=job.cluster.step_timeout_s / 2,
             tensorboard_dir=os.path.join(self.opd_dir, "tensorboard"),
             on_metrics=self._record_metrics,
         )

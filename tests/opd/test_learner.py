@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from distill import pipeline
-from distill.diffusion.denoise import rollout
 from distill.diffusion.replay import TraceError
 from distill.opd.learner import NonFiniteError, OpdLearner, StaleRollout
-from distill.opd.records import RolloutBatch, load_batch, merge_batches, save_batch
+from distill.opd.records import load_batch, merge_batches, save_batch
 from distill.teacher import InProcessTeacher
 from tests.support.fakes import tiny_job, tiny_models
 
@@ -25,24 +24,15 @@ def make_learner(*overrides):
     return OpdLearner(job, student, teacher, tokenizer, log=lambda _: None)
 
 
-def roll(learner, step, rows=None, version=None):
-    rows = list(range(learner.plan.rows_per_step)) if rows is None else rows
-    trace = rollout(
-        learner.student,
-        learner.prompts(step, rows),
-        learner.settings,
-        seed=learner.job.seed,
-        global_step=step,
-        row_ids=rows,
-    )
-    positions = [learner.stream_positions(step)[row] for row in rows]
-    return RolloutBatch.from_trace(
-        trace,
-        step=step,
-        policy_version=learner.policy_version if version is None else version,
-        row_ids=rows,
-        stream_positions=positions,
-    )
+def roll(learner, step, rows=None):
+    """Rows of ``step`` rolled out with the live student (version = the learner's)."""
+    live = learner.step
+    learner.step = step  # roll_out rolls out the learner's next step
+    try:
+        batch = learner.roll_out(rows)
+    finally:
+        learner.step = live
+    return dataclasses.replace(batch, policy_version=live)
 
 
 @pytest.fixture(scope="module")
