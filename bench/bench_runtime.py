@@ -110,6 +110,7 @@ def main() -> None:
         start_ray(None, base.cluster, work / "ray")
         results: dict[str, list[float]] = {}
         shares: dict[str, tuple[float, float]] = {}
+        parts: dict[str, dict[str, float]] = {}
         for staleness in (0, 1):
             name = f"distributed, max_staleness {staleness}"
             print(f"{name} ...", flush=True)
@@ -122,6 +123,10 @@ def main() -> None:
             steady = result.history[args.skip :]
             results[name] = [m["step_seconds"] for m in steady]
             total = sum(m["step_seconds"] for m in steady)
+            parts[name] = {
+                part: statistics.median(m[f"{part}_seconds"] for m in steady) * 1000
+                for part in ("wait", "train", "teacher", "publish", "step")
+            }
             shares[name] = (
                 sum(m["publish_seconds"] for m in steady) / total,
                 sum(m["teacher_seconds"] for m in steady) / total,
@@ -152,6 +157,9 @@ def main() -> None:
         print(
             f"distributed (staleness {staleness}) / in-process:     {per_minute[name] / local:.2f}x"
         )
+    print("\nmedian milliseconds per step (wait: for the step's rollouts; train includes teacher)")
+    for name, values in parts.items():
+        print(f"{name}: " + ", ".join(f"{part} {ms:.0f}" for part, ms in values.items()))
     for name, (publish, teacher) in shares.items():
         print(f"{name}: weight publication {publish:.1%} of step time, teacher calls {teacher:.1%}")
 

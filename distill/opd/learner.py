@@ -220,9 +220,10 @@ class OpdLearner:
             self.settings, self.student.config.block_size, self.student.config.vocab_size
         )
 
-    def check_batch(self, batch: RolloutBatch) -> None:
-        """Refuse a batch that is not exactly the next step's rows (see :meth:`check_rows`),
-        or one beyond ``loss.max_staleness`` (:class:`StaleRollout`)."""
+    def check_batch(self, batch: RolloutBatch, *, rows_checked: bool = False) -> None:
+        """Refuse a batch that is not exactly the next step's rows (see :meth:`check_rows`,
+        skipped when its rows were already checked, e.g. as they arrived), or one beyond
+        ``loss.max_staleness`` (:class:`StaleRollout`)."""
         if batch.step != self.step:
             raise ValueError(
                 f"`trace.step` must be the learner's next step {self.step}; received {batch.step}"
@@ -233,7 +234,8 @@ class OpdLearner:
                 f"step; received {np.sort(batch.row_ids).tolist()}"
             )
         self.check_staleness(batch.policy_version)
-        self.check_rows(batch)
+        if not rows_checked:
+            self.check_rows(batch)
 
     def check_staleness(self, policy_version: int) -> None:
         if policy_version > self.policy_version:
@@ -249,11 +251,14 @@ class OpdLearner:
                 f"received {policy_version} ({staleness} versions old)"
             )
 
-    def train(self, batch: RolloutBatch | Sequence[RolloutBatch]) -> dict[str, float]:
-        """One OPD step on the next step's rollout (one batch or its parts); returns metrics."""
+    def train(
+        self, batch: RolloutBatch | Sequence[RolloutBatch], *, rows_checked: bool = False
+    ) -> dict[str, float]:
+        """One OPD step on the next step's rollout (one batch or its parts); returns metrics.
+        ``rows_checked``: every part already passed :meth:`check_rows`."""
         if not isinstance(batch, RolloutBatch):
             batch = merge_batches(batch)
-        self.check_batch(batch)
+        self.check_batch(batch, rows_checked=rows_checked)
         step, trace = self.step, batch.to_trace()
         if self.trace_dir is not None:
             save_batch(batch, self.trace_dir / f"step-{step:07d}.npz")

@@ -134,7 +134,14 @@ class RolloutBatch:
             got, want = getattr(self.settings, field.name), getattr(settings, field.name)
             if got != want:
                 raise _error(f"trace.settings.{field.name}", f"equal the learner's {want!r}", got)
-        validate_trace(self.to_trace(), vocab_size)
+        # A host-side view (numpy arrays): validation reads numpy, no device round trip.
+        host = Trace(
+            **self.slots,
+            forwards=self.forwards,
+            settings=self.settings,
+            block_size=self.block_size,
+        )
+        validate_trace(host, vocab_size)
 
     def row(self, index: int) -> RolloutBatch:
         """Row ``index`` alone (a ``[1, L]`` batch)."""

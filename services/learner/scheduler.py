@@ -166,8 +166,20 @@ class WorkScheduler:
             WorkKind.WORK, shard, tuple(int(p) for p in positions), self.rollout_version(shard.step)
         )
 
-    def acquire(self) -> Assignment:
-        """The next shard whose rollout version is published, else WAIT (or DONE)."""
+    def acquire(self, wait_s: float = 0.0) -> Assignment:
+        """The next shard whose rollout version is published, else WAIT (or DONE). With
+        ``wait_s`` > 0 a WAIT is held back up to that long for work to appear (a long poll:
+        a worker learns of a new version as soon as it is published, without polling)."""
+        deadline = time.monotonic() + wait_s
+        with self._condition:
+            while True:
+                assignment = self._try_acquire()
+                remaining = deadline - time.monotonic()
+                if assignment.kind is not WorkKind.WAIT or remaining <= 0:
+                    return assignment
+                self._condition.wait(remaining)
+
+    def _try_acquire(self) -> Assignment:
         with self._condition:
             if self._closed is not None or self._published >= self.end_step:
                 return Assignment(WorkKind.DONE)
@@ -188,7 +200,7 @@ class WorkScheduler:
                             self._next_step = step + 1
                         return self._work(Shard(step, start, count))
                 self._next_step = step + 1
-                return self.acquire()
+                return self._try_acquire()
             return Assignment(WorkKind.WAIT)
 
     def deliver(self, batch: RolloutBatch) -> Delivery:

@@ -45,6 +45,9 @@ from services.rollout.messages import batches_from_rows
 SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
 
 Publish = Callable[[int, dict[str, Any]], None]
+# How long AcquireWork holds a WAIT back for work to appear (bounded, so a worker still
+# checks its stop flag regularly).
+_LONG_POLL_S = 1.0
 
 
 class TimedTeacher:
@@ -101,14 +104,14 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         self.runtime = runtime
 
     def AcquireWork(self, request: learner_pb2.WorkRequest, context: grpc.ServicerContext):
-        assignment = self.runtime.scheduler.acquire()
+        assignment = self.runtime.scheduler.acquire(wait_s=_LONG_POLL_S)
         kinds = {
             WorkKind.WORK: learner_pb2.WorkAssignment.WORK,
             WorkKind.WAIT: learner_pb2.WorkAssignment.WAIT,
             WorkKind.DONE: learner_pb2.WorkAssignment.DONE,
         }
         message = learner_pb2.WorkAssignment(
-            kind=kinds[assignment.kind], seed=self.runtime.learner.job.seed, retry_after_ms=20
+            kind=kinds[assignment.kind], seed=self.runtime.learner.job.seed, retry_after_ms=0
         )
         if assignment.shard is not None:
             message.step = assignment.shard.step
@@ -251,7 +254,8 @@ class LearnerRuntime:
                 parts = self.scheduler.wait_step(step, self.step_timeout_s)
                 started = time.perf_counter()
                 self.teacher.seconds = 0.0
-                metrics = learner.train(parts)
+                # Every row was checked when it was pushed; train checks the step as a whole.
+                metrics = learner.train(parts, rows_checked=True)
                 trained = time.perf_counter()
                 self.publish(learner.policy_version, learner.weights())
                 self.scheduler.publish(learner.policy_version)

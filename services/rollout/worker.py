@@ -126,7 +126,8 @@ class RolloutWorker:
             if work.kind == learner_pb2.WorkAssignment.DONE:
                 break
             if work.kind == learner_pb2.WorkAssignment.WAIT:
-                stop.wait(max(work.retry_after_ms, 1) / 1000)
+                # The learner already held the call back (long poll); ask again at once.
+                stop.wait(work.retry_after_ms / 1000)
                 continue
             self.roll_out(work)
             shards += 1
