@@ -189,11 +189,22 @@ class RolloutConfig(_Config):
     alignment: Alignment = "same_position"
     canvas: Canvas = "all_masked"
     commit_rule: CommitRule = "threshold"
-    threshold: float = Field(default=0.9, ge=0.0, le=1.0)
+    # 1.0 is "never clears" rather than "confidence >= 1": a confidence that rounds to 1.0 in
+    # float32 must not turn the one-token-per-step setting into a multi-token one.
+    threshold: float = Field(
+        default=0.9,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="threshold rule: every pending slot whose confidence is >= threshold "
+        "commits, when threshold < 1 (none clearing: the single best one). threshold = 1.0 "
+        "never clears, even for a confidence of exactly 1.0: one token per step. 0.0 commits "
+        "a whole block in one step.",
+    )
     confidence: Confidence = "max_prob"
     schedule_steps: int | None = Field(default=None, gt=0)
     strategy: ScheduleStrategy = "confidence"
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     greedy: bool = False
     # None: the longest answer the job's tasks can have (see distill/job.py); set it to cap
     # (or extend) the completion horizon of every rollout and evaluation.
@@ -375,6 +386,15 @@ class JobConfig(_Config):
                     "is rolled out under the contract it was trained with)",
                     getattr(self.rollout, field),
                 )
+        if self.objective.canvas == "seed_and_mask" and self.student.block_size < 2:
+            # Every slot of a one-slot block is an anchor, never corrupted: the warm-up would
+            # train on nothing and rollout would be plain left-to-right decoding.
+            raise _field_error(
+                "student.block_size",
+                "be >= 2 with the shifted + seed_and_mask contract (a block of 1 is all anchor: "
+                "nothing is ever corrupted)",
+                self.student.block_size,
+            )
         if self.student_init == "teacher":
             same = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim")
             for field in same:

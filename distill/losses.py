@@ -12,7 +12,10 @@ cannot leak: a batch with zero total weight gives exactly 0 loss and exactly 0 g
 
 Per-token arrays are ``[B, L]`` over the student's layout; ``weights`` come from
 :func:`opd_weights` (1 on completion slots through the first stop token, 0 elsewhere).
-Weights must be >= 0 (they are loss weights, not reward scales).
+Weights must be finite and >= 0 (they are loss weights, not reward scales). Called with
+concrete weights, every function raises on a negative or non-finite weight; under ``jit``
+such a weight counts as 0 and is counted in the ``invalid_weights`` metric of every
+:class:`LossTerms` (a share of the entries), which the caller must treat as an error.
 
 Reverse KL by policy gradient (``loss.kind = "reverse_kl"``, the default)
 -------------------------------------------------------------------------
@@ -94,7 +97,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from distill.config import LossConfig
-from distill.weighted import LossTerms, Weighted, accumulate, f32_sum, safe_ratio
+from distill.weighted import (
+    LossTerms,
+    Weighted,
+    accumulate,
+    check_weights,
+    f32_sum,
+    invalid_weights,
+    safe_ratio,
+)
 
 LOSS_KINDS = ("reverse_kl", "forward_kl", "reverse_kl_full", "jsd")
 DIVERGENCE_KINDS = ("forward_kl", "reverse_kl_full", "jsd")
@@ -108,9 +119,12 @@ _INT_MAX = int(np.iinfo(np.int32).max)
 
 
 def denominator(weights: jax.Array) -> jax.Array:
-    """The denominator every OPD loss uses: the sum of ``weights`` (float32)."""
+    """The denominator every OPD loss uses: the sum of ``weights`` (float32; invalid
+    weights, refused when concrete, count as 0)."""
+    check_weights("weights", weights)
     weights = jnp.asarray(weights)
-    return jnp.sum(jnp.where(weights > 0, weights, 0.0), dtype=jnp.float32)
+    valid = (weights > 0) & jnp.isfinite(weights)
+    return jnp.sum(jnp.where(valid, weights, 0.0), dtype=jnp.float32)
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -138,11 +152,20 @@ def _weights_shape(weights: Any) -> tuple[int, ...]:
 
 
 def _weights(weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(active, weights)``: float32 weights, 0 wherever inactive (NaN included)."""
-    weights = jnp.asarray(weights)
+    """``(active, weights)``: float32 weights, 0 wherever inactive. Negative or non-finite
+    weights are refused when concrete; traced, they are inactive (see :func:`_invalid`)."""
     _check_rank("weights", weights, 2, "[B, L]")
-    active = weights > 0
+    check_weights("weights", weights)
+    weights = jnp.asarray(weights)
+    # +inf too: it would turn the loss into NaN (inf * 0 or inf / inf).
+    active = (weights > 0) & jnp.isfinite(weights)
     return active, jnp.where(active, weights, 0.0).astype(jnp.float32)
+
+
+def _invalid(weights: jax.Array) -> Weighted:
+    """The ``invalid_weights`` metric: negative or non-finite weights over all entries."""
+    weights = jnp.asarray(weights)
+    return Weighted(jnp.sum(invalid_weights(weights), dtype=jnp.float32), jnp.float32(weights.size))
 
 
 def _is_concrete(*arrays: Any) -> bool:
@@ -274,6 +297,7 @@ def policy_gradient(
     _check_shape("behaviour_logps", behaviour_logps, shape, "`weights`")
     _check_shape("advantages", advantages, shape, "`weights`")
     _check_ppo_clip(ppo_clip)
+    invalid = _invalid(weights)
     active, weights = _weights(weights)
     student = jnp.where(active, student_logps, 0.0)
     behaviour = jax.lax.stop_gradient(jnp.where(active, behaviour_logps, 0.0))
@@ -292,6 +316,7 @@ def policy_gradient(
         "ratio": _mean_metric(frozen_ratio, weights, active),
         "clip_fraction": _mean_metric(clipped.astype(jnp.float32), weights, active),
         "advantage": _mean_metric(advantage, weights, active),
+        "invalid_weights": invalid,
     }
     return LossTerms(f32_sum(surrogate * weights, active), f32_sum(weights, active), metrics)
 
@@ -383,6 +408,7 @@ def reverse_kl(
     if advantage in ("return_to_go", "mean_to_go") and order is None:
         raise _error("order", "be given (logical positions) for advantage 'return_to_go'", None)
     _check_ppo_clip(ppo_clip)
+    invalid = _invalid(weights)
     active, weights = _weights(weights)
     finite = jnp.isfinite(teacher_logps)
     _raise_if_nonfinite("teacher_logps", active & ~finite, "be finite where `weights` > 0")
@@ -403,6 +429,8 @@ def reverse_kl(
     metrics["teacher_nonfinite"] = Weighted(
         jnp.sum(active & ~finite, dtype=jnp.float32), jnp.sum(active, dtype=jnp.float32)
     )
+    # The policy gradient saw the sanitized weights; count the caller's.
+    metrics["invalid_weights"] = invalid
     return LossTerms(terms.total, terms.denominator, metrics)
 
 
@@ -482,7 +510,12 @@ def _teacher_rows(name: str, teacher: jax.Array, active: jax.Array) -> tuple[jax
 
 
 def _divergence_terms(
-    kind: str, per_token: jax.Array, weights: jax.Array, active: jax.Array, bad: jax.Array
+    kind: str,
+    per_token: jax.Array,
+    weights: jax.Array,
+    active: jax.Array,
+    bad: jax.Array,
+    invalid: Weighted,
 ) -> LossTerms:
     scored = active & ~bad
     total = f32_sum(per_token * weights, scored)
@@ -491,6 +524,7 @@ def _divergence_terms(
         "teacher_nonfinite": Weighted(
             jnp.sum(bad, dtype=jnp.float32), jnp.sum(active, dtype=jnp.float32)
         ),
+        "invalid_weights": invalid,
     }
     return LossTerms(total, f32_sum(weights, active), metrics)
 
@@ -509,12 +543,13 @@ def divergence(
     full = tuple(jnp.shape(student_log_probs))
     _check_shape("student_log_probs", full[:2], shape, "`weights`")
     _check_shape("teacher_log_probs", teacher_log_probs, full, "`student_log_probs`")
+    invalid = _invalid(weights)
     active, weights = _weights(weights)
     scored, bad = _teacher_rows("teacher_log_probs", teacher_log_probs, active)
     student = jnp.where(active[..., None], student_log_probs, 0.0)
     teacher = jax.lax.stop_gradient(jnp.where(scored[..., None], teacher_log_probs, 0.0))
     per_token = _entry_divergence(kind, teacher, student)
-    return _divergence_terms(kind, per_token, weights, active, bad)
+    return _divergence_terms(kind, per_token, weights, active, bad, invalid)
 
 
 def gather_topk(student_log_probs: jax.Array, teacher_topk_ids: jax.Array) -> jax.Array:
@@ -555,6 +590,7 @@ def topk_divergence(
     topk = tuple(jnp.shape(student_topk_logps))
     _check_shape("student_topk_logps", topk[:2], shape, "`weights`")
     _check_shape("teacher_topk_logps", teacher_topk_logps, topk, "`student_topk_logps`")
+    invalid = _invalid(weights)
     active, weights = _weights(weights)
     scored, bad = _teacher_rows("teacher_topk_logps", teacher_topk_logps, active)
     student = jnp.where(active[..., None], student_topk_logps, 0.0)
@@ -565,7 +601,7 @@ def topk_divergence(
     q_tail, q_tail_log = _tail(student, tail_floor)
     m_tail_log = jnp.log(jnp.maximum(0.5 * (p_tail + q_tail), tail_floor))
     tail = _bucket_divergence(kind, p_tail, p_tail_log, q_tail, q_tail_log, m_tail_log)
-    return _divergence_terms(kind, head + tail, weights, active, bad)
+    return _divergence_terms(kind, head + tail, weights, active, bad, invalid)
 
 
 # ---- task reward (GRPO) and the reference KL ------------------------------------------------
@@ -630,6 +666,7 @@ def k3_kl(student_logps: jax.Array, reference_logps: jax.Array, weights: jax.Arr
     shape = _weights_shape(weights)
     _check_shape("student_logps", student_logps, shape, "`weights`")
     _check_shape("reference_logps", reference_logps, shape, "`weights`")
+    invalid = _invalid(weights)
     active, weights = _weights(weights)
     student = jnp.where(active, student_logps, 0.0)
     reference = jax.lax.stop_gradient(jnp.where(active, reference_logps, 0.0))
@@ -637,7 +674,8 @@ def k3_kl(student_logps: jax.Array, reference_logps: jax.Array, weights: jax.Arr
     k3 = jnp.maximum(jnp.expm1(gap) - gap, 0.0)
     total = f32_sum(k3 * weights, active)
     den = f32_sum(weights, active)
-    return LossTerms(total, den, {"k3": Weighted(jax.lax.stop_gradient(total), den)})
+    metrics = {"k3": Weighted(jax.lax.stop_gradient(total), den), "invalid_weights": invalid}
+    return LossTerms(total, den, metrics)
 
 
 # ---- dispatcher ----------------------------------------------------------------------------

@@ -11,7 +11,14 @@ interface of :class:`~distill.diffusion.objectives.Objective` (block-diffusion w
 4. the summed gradient goes through optax once.
 
 So accumulation over microbatches gives the same update as the whole batch, and a batch with
-zero total weight gives a loss of exactly 0 and zero gradients.
+zero total weight gives a loss of exactly 0 and zero gradients. ``layout.loss_weights`` must
+be finite and >= 0: :meth:`Trainer.step` refuses others; inside the jitted step they count as
+0 and the ``invalid_weights`` metric says how many there were (treat > 0 as an error).
+
+Buffer ownership: a step donates the trainer's state, deleting its old buffers. The trainer
+therefore never shares buffers with the model it was given (nor with any ``nnx.clone`` of
+it, which shares the model's arrays): it copies the state when it starts and again on every
+:meth:`Trainer.sync`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from distill.diffusion.layout import BlockLayout, build_training_layout
 from distill.diffusion.objectives import combine
 from distill.models.transformer import Transformer
 from distill.tokenizer import Tokenizer
+from distill.weighted import check_weights, invalid_weights
 
 
 class TrainingObjective(Protocol):
@@ -96,7 +104,13 @@ def loss_and_metrics(
     loss = combine(sums, denominators, objective.coefficients(plan))
     metrics = {f"{name}/sum": value for name, value in sums.items()}
     metrics |= {f"{name}/denominator": value for name, value in denominators.items()}
+    metrics["invalid_weights"] = _invalid_count(layout)
     return loss, metrics
+
+
+def _invalid_count(layout: BlockLayout) -> jax.Array:
+    """How many ``loss_weights`` are negative or non-finite (the objectives use them as 0)."""
+    return jnp.sum(invalid_weights(layout.loss_weights), dtype=jnp.float32)
 
 
 def _row_slice(tree: Any, batch: int, count: int, index: jax.Array) -> Any:
@@ -151,6 +165,7 @@ def accumulated_gradients(
     (loss, grads, sums), _ = jax.lax.scan(body, init, jnp.arange(microbatches))
     metrics = {f"{name}/sum": value for name, value in sums.items()}
     metrics |= {f"{name}/denominator": value for name, value in denominators.items()}
+    metrics["invalid_weights"] = _invalid_count(layout)
     return loss, grads, metrics
 
 
@@ -169,19 +184,30 @@ def _pure_step(graphdef, state, layout, keys, step, objective, microbatches):
     return nnx.state((optimizer, model)), metrics
 
 
+def _private(state: nnx.State) -> nnx.State:
+    """Fresh buffers for every array of ``state`` (a donated step may delete these)."""
+    return jax.tree.map(jnp.copy, state)
+
+
 class Trainer:
     """Holds a model and its optimizer as one flat state between jitted steps.
 
     Splitting an NNX graph costs milliseconds per call on the host; the trainer splits once,
     steps on the flat state (donated, updated in place on device), and writes it back into
     ``model`` / ``optimizer`` only when :meth:`sync` is called (before evaluation or a
-    checkpoint).
+    checkpoint). Between syncs the model keeps its last synced values.
+
+    The flat state is the trainer's own copy, never an array the model (or an ``nnx.clone``
+    of it, made before or after the trainer) holds: donation then deletes only buffers no
+    one else can see. The price is one copy of the parameters and optimizer state, at the
+    start and at each sync.
     """
 
     def __init__(self, model: Transformer, optimizer: nnx.Optimizer):
         self.model = model
         self.optimizer = optimizer
-        self._graphdef, self._state = nnx.split((optimizer, model))
+        graphdef, state = nnx.split((optimizer, model))
+        self._graphdef, self._state = graphdef, _private(state)
 
     def step(
         self,
@@ -192,7 +218,9 @@ class Trainer:
         objective: TrainingObjective,
         microbatches: int = 1,
     ) -> dict[str, jax.Array]:
-        """One optimizer update; returns metrics (loss, grad norm, per-term parts)."""
+        """One optimizer update; returns metrics (loss, grad norm, per-term parts,
+        ``invalid_weights``). Refuses negative or non-finite ``layout.loss_weights``."""
+        check_weights("layout.loss_weights", layout.loss_weights)
         self._state, metrics = _pure_step(
             self._graphdef,
             self._state,
@@ -205,9 +233,9 @@ class Trainer:
         return metrics
 
     def sync(self) -> Transformer:
-        """Write the trained state back into the model and optimizer; return the model."""
-        nnx.update((self.optimizer, self.model), self._state)
-        self._graphdef, self._state = nnx.split((self.optimizer, self.model))
+        """Write (a copy of) the trained state into the model and optimizer; return the
+        model. The copy keeps the next donated step from deleting the model's arrays."""
+        nnx.update((self.optimizer, self.model), _private(self._state))
         return self.model
 
 

@@ -7,21 +7,48 @@ over microbatches and hosts (:func:`accumulate`) and divides once (:func:`safe_r
 the result does not depend on how the batch was split. A zero denominator gives exactly 0
 with a zero gradient, never NaN. Sums are float32 and apply weights with ``where``, so NaN
 or inf on excluded entries cannot leak into them (:func:`f32_sum`).
+
+Weights are finite and >= 0 (loss weights, not reward scales). :func:`check_weights` refuses
+any other value where the weights are concrete; under ``jit`` callers treat such weights as
+0 and count them (:func:`invalid_weights`) in a metric the caller must treat as an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def f32_sum(values: jax.Array, where: jax.Array) -> jax.Array:
     """The float32 sum of ``values`` where ``where`` is true; other entries, NaN or inf
     included, contribute exactly 0."""
     return jnp.sum(jnp.where(where, values, 0.0), dtype=jnp.float32)
+
+
+def invalid_weights(weights: jax.Array) -> jax.Array:
+    """True where a weight is negative or non-finite (NaN, +-inf): not a loss weight."""
+    weights = jnp.asarray(weights)
+    return ~(jnp.isfinite(weights) & (weights >= 0))
+
+
+def check_weights(field: str, weights: Any) -> None:
+    """Raise unless every weight is finite and >= 0, when ``weights`` is concrete (eager
+    calls, or a constant under ``jit``). A traced value cannot be read here: the caller
+    zeroes :func:`invalid_weights` entries and counts them instead."""
+    if isinstance(weights, jax.core.Tracer):
+        return
+    values = np.asarray(weights)
+    bad = ~(np.isfinite(values) & (values >= 0))
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"`{field}` must be finite and >= 0; received {int(bad.sum())} bad value(s), "
+            f"first {values[first].item()!r} at {first}"
+        )
 
 
 def safe_ratio(total: jax.Array, denominator: jax.Array) -> jax.Array:

@@ -115,3 +115,43 @@ def test_configs_are_frozen():
     config = ModelConfig(vocab_size=10)
     with pytest.raises(Exception, match="frozen"):
         config.n_layers = 5  # type: ignore[misc]
+
+
+def test_opd_microbatches_other_than_one_are_refused_by_name(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB_YAML)
+    with pytest.raises(ConfigError, match=r"^`opd\.optimizer\.microbatches` must be 1 .*3$"):
+        load_config(path, JobConfig, ["opd.optimizer.microbatches=3"])
+    assert load_config(path, JobConfig, ["opd.optimizer.microbatches=1"]).opd.optimizer
+    # Warm-up phases accumulate with global denominators; only OPD refuses.
+    job = load_config(path, JobConfig, ["student_warmup.optimizer.microbatches=3"])
+    assert job.student_warmup.optimizer.microbatches == 3
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_temperature_and_threshold_are_refused(value):
+    with pytest.raises(ConfigError, match=r"^`rollout\.temperature` must be a finite number"):
+        RolloutConfig(temperature=value)
+    with pytest.raises(ConfigError, match=r"^`rollout\.threshold` must"):
+        RolloutConfig(threshold=value)
+
+
+def test_block_size_one_with_shifted_seed_and_mask_is_refused_by_name(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB_YAML)
+    shifted = [
+        "rollout.alignment=shifted",
+        "rollout.canvas=seed_and_mask",
+        "objective.alignment=shifted",
+        "objective.canvas=seed_and_mask",
+    ]
+    with pytest.raises(ConfigError, match=r"^`student\.block_size` must be >= 2 .*; received 1$"):
+        load_config(path, JobConfig, [*shifted, "student.block_size=1"])
+    assert load_config(path, JobConfig, [*shifted, "student.block_size=2"]).student.block_size == 2
+    # same_position + all_masked corrupts a one-slot block like any other.
+    assert load_config(path, JobConfig, ["student.block_size=1"]).student.block_size == 1
+
+
+def test_threshold_description_says_one_never_clears():
+    description = RolloutConfig.model_fields["threshold"].description
+    assert "1.0 never clears" in description and "one token per step" in description

@@ -732,3 +732,67 @@ def test_bad_inputs_fail_naming_the_field():
             z, student_log_probs=v, teacher_topk_ids=v[..., :3].astype(int),
             teacher_topk_logps=v[..., :3],
         )  # fmt: skip
+
+
+# ---- loss weights --------------------------------------------------------------------------
+
+BAD_WEIGHTS = {
+    "negative": np.array([[1.0, -1.0, 1.0]], np.float32),
+    "nan": np.array([[1.0, np.nan, 1.0]], np.float32),
+    "inf": np.array([[1.0, np.inf, 1.0]], np.float32),
+}
+
+
+def _every_weighted_loss(weights):
+    """Every public entry that takes loss weights, called with ``weights`` ``[1, 3]``."""
+    z = np.zeros((1, 3), np.float32)
+    v = np.log(np.full((1, 3, 4), 0.25, np.float32))
+    ids = np.broadcast_to(np.arange(2, dtype=np.int32), (1, 3, 2))
+    order = np.arange(3, dtype=np.int32)[None]
+    rewards, groups = np.zeros(1, np.float32), np.zeros(1, np.int32)
+    return {
+        "denominator": lambda: losses.denominator(weights),
+        "policy_gradient": lambda: losses.policy_gradient(z, z, z, weights),
+        "opd_advantages": lambda: losses.opd_advantages(z, weights, order),
+        "reverse_kl": lambda: losses.reverse_kl(z, z, z, weights, order),
+        "divergence": lambda: losses.divergence("jsd", v, v, weights),
+        "topk_divergence": lambda: losses.topk_divergence("jsd", v[..., :2], v[..., :2], weights),
+        "task_advantages": lambda: losses.task_advantages(rewards, groups, weights),
+        "k3_kl": lambda: losses.k3_kl(z, z, weights),
+        "OpdLoss": lambda: losses.OpdLoss(kind="forward_kl", teacher_top_k=2)(
+            weights, student_log_probs=v, teacher_topk_ids=ids, teacher_topk_logps=v[..., :2]
+        ),
+    }
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_WEIGHTS))
+def test_negative_or_non_finite_weights_are_refused_eagerly(bad):
+    for name, call in _every_weighted_loss(BAD_WEIGHTS[bad]).items():
+        with pytest.raises(ValueError, match=r"^`weights` must be finite and >= 0; received 1 "):
+            call()
+            pytest.fail(f"{name} accepted {bad} weights")
+
+
+def test_invalid_weights_are_counted_and_left_out_under_jit():
+    rng = _rng(12)
+    s, b, t = (_normal(rng, (1, 3)) for _ in range(3))
+    v = _log_probs(rng, (1, 3, 4))
+    clean = np.array([[1.0, 0.0, 2.0]], np.float32)
+
+    @jax.jit
+    def run(weights):
+        return (
+            losses.reverse_kl(s, b, t, weights, advantage="token"),
+            losses.divergence("forward_kl", v, v + 0.1, weights),
+            losses.k3_kl(s, t, weights),
+        )
+
+    expected = run(clean)
+    for bad in BAD_WEIGHTS.values():
+        weights = clean.copy()
+        weights[0, 1] = bad[0, 1]  # one invalid entry where the clean weights have 0
+        for got, want in zip(run(weights), expected, strict=True):
+            assert float(got.metrics["invalid_weights"].total) == 1.0
+            assert float(want.metrics["invalid_weights"].total) == 0.0
+            np.testing.assert_allclose(got.value(), want.value(), rtol=1e-6)
+            assert float(got.denominator) == float(want.denominator) == 3.0

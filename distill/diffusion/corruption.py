@@ -10,10 +10,12 @@ completion position with that probability:
 - ``shifted`` + ``seed_and_mask``: a block's first slot (anchor) is never corrupted but is
   always a target (scored from the previous logical position, i.e. the previous block).
 
-Every block with at least one eligible position keeps at least one target (the eligible
-position with the smallest draw is forced when the draw corrupted none). Padding and the
-prompt are never corrupted and never targets. Masks nest: valid ⊇ completion ⊇ target ⊇
-corrupted (except anchors, which are targets without being corrupted).
+Every block with at least one eligible position keeps at least one target: when the draw
+corrupted none, exactly one is forced, the eligible position with the smallest draw (ties to
+the lowest logical position; :func:`forced_targets`). Padding and the prompt are never
+corrupted and never targets. Masks nest: valid ⊇ completion ⊇ target ⊇ corrupted (except
+anchors, which are targets without being corrupted). ``shifted`` + ``seed_and_mask`` needs
+``block_size >= 2``: a one-slot block is all anchor, so nothing would ever be corrupted.
 
 Randomness is per row (one key per row), so splitting a batch into microbatches does not
 change any row's corruption.
@@ -25,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from distill.config import check_contract
 from distill.diffusion.layout import BlockLayout
@@ -40,6 +43,13 @@ class Corruption:
     corruption_mask: jax.Array
     target_mask: jax.Array
     noise: jax.Array
+
+
+def check_mask_id(mask_id: int, field: str = "mask_id") -> None:
+    """A mask id is a static token id: a Python (or numpy) integer >= 0. A negative one would
+    index the vocabulary from the end, so it is refused rather than wrapped."""
+    if isinstance(mask_id, bool) or not isinstance(mask_id, int | np.integer) or mask_id < 0:
+        raise ValueError(f"`{field}` must be a token id >= 0; received {mask_id!r}")
 
 
 def anchor_mask(layout: BlockLayout) -> jax.Array:
@@ -64,6 +74,30 @@ def block_noise(
     return min_noise + (1.0 - min_noise) * uniform
 
 
+def forced_targets(
+    draws: jax.Array,
+    eligible: jax.Array,
+    has_target: jax.Array,
+    block: jax.Array,
+    positions: jax.Array,
+    n_blocks: int,
+) -> jax.Array:
+    """``[B, L]`` bool: exactly one slot in every block (ids ``block`` ``[B, L]`` in
+    ``[0, n_blocks)``) that has ``eligible`` slots but no ``has_target`` slot: the eligible
+    slot with the smallest draw, ties to the lowest logical position (``positions``).
+    Nothing elsewhere."""
+    per_block_min = jax.vmap(lambda values, ids: jax.ops.segment_min(values, ids, n_blocks))
+    per_block_any = jax.vmap(lambda values, ids: jax.ops.segment_max(values, ids, n_blocks))
+    smallest = per_block_min(jnp.where(eligible, draws, jnp.float32(2.0)), block)
+    tied = eligible & (draws == jnp.take_along_axis(smallest, block, axis=1))
+    # Equal float32 draws do happen; every tied slot would otherwise be forced.
+    lowest = jnp.iinfo(jnp.int32).max
+    first = per_block_min(jnp.where(tied, positions, lowest).astype(jnp.int32), block)
+    chosen = tied & (positions == jnp.take_along_axis(first, block, axis=1))
+    covered = per_block_any(has_target.astype(jnp.int32), block) > 0
+    return chosen & ~jnp.take_along_axis(covered, block, axis=1)
+
+
 def corrupt(
     layout: BlockLayout,
     keys: jax.Array,
@@ -76,6 +110,12 @@ def corrupt(
 ) -> Corruption:
     """Corrupt ``layout``'s completion with per-block noise; ``keys`` holds one key per row."""
     check_contract(alignment, canvas)
+    check_mask_id(mask_id)
+    if canvas == "seed_and_mask" and layout.block_size < 2:
+        raise ValueError(
+            "`layout.block_size` must be >= 2 with the shifted + seed_and_mask contract (a "
+            f"block of 1 is all anchor: nothing is ever corrupted); received {layout.block_size}"
+        )
     if keys.shape != layout.tokens.shape[:1]:
         raise ValueError(
             f"`keys` must hold one key per row ({layout.tokens.shape[0]}); received {keys.shape}"
@@ -96,13 +136,7 @@ def corrupt(
     eligible = layout.completion_mask & ~anchors
     corrupted = eligible & (draws < noise)
     # Force one target in every block that has eligible positions but no target yet.
-    big = jnp.float32(2.0)
-    per_block = jax.vmap(lambda values, ids: jax.ops.segment_min(values, ids, n_blocks))
-    per_block_any = jax.vmap(lambda values, ids: jax.ops.segment_max(values, ids, n_blocks))
-    smallest = per_block(jnp.where(eligible, draws, big), block)
-    has_target = per_block_any((corrupted | anchors).astype(jnp.int32), block) > 0
-    needs = jnp.take_along_axis(~has_target, block, axis=1)
-    forced = eligible & needs & (draws == jnp.take_along_axis(smallest, block, axis=1))
+    forced = forced_targets(draws, eligible, corrupted | anchors, block, layout.positions, n_blocks)
     corrupted = corrupted | forced
     return Corruption(
         canvas=jnp.where(corrupted, mask_id, layout.tokens).astype(jnp.int32),

@@ -16,9 +16,11 @@ Semantics (DESIGN section 5):
   committed.
 - ``threshold`` rule: every pending slot whose score is >= ``threshold`` commits; when none
   clears, the single best one does (ties to the lowest slot), keeping its sampled token.
-  ``threshold = 1`` means "never clears": exactly one token per step. ``threshold = 0``
-  commits the whole block in one step. Score ``max_prob`` (the default: the slot's largest
-  probability, so the commit order does not depend on the sampled value) or
+  ``threshold = 1`` means "never clears": exactly one token per step, even where a
+  confidence rounds to exactly 1.0 in float32 (the rule is ``score >= threshold`` only for
+  ``threshold < 1``). ``threshold = 0`` commits the whole block in one step. Score
+  ``max_prob`` (the default: the slot's largest probability, so the commit order does not
+  depend on the sampled value) or
   ``sampled_prob`` (the probability of the sampled token, the research note's rule: the
   sampled value then steers the commit order, which is known to collapse diversity).
 - ``schedule`` rule: ``k = ceil(pending / steps_left)`` slots per step, chosen by score:
@@ -46,15 +48,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from distill.config import RolloutConfig, check_contract
+from distill.config import (
+    Alignment,
+    CommitRule,
+    Confidence,
+    RolloutConfig,
+    ScheduleStrategy,
+    check_contract,
+)
 from distill.diffusion.layout import BlockLayout, build_rollout_layout
 from distill.models.kv_cache import KVCache
 from distill.models.logprobs import tempered_log_softmax
@@ -66,9 +76,25 @@ MODES: tuple[Mode, ...] = ("train", "eval")
 NEG_INF = -jnp.inf
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
-    """Everything that determines which actions a rollout takes (hashable, static)."""
+    """Everything that determines which actions a rollout takes (hashable, static).
+
+    Validated on construction (also by ``dataclasses.replace`` and when decoded from another
+    process), since :func:`denoise` and replay branch on these values without re-checking:
+    the choice fields must be the config's ``Literal`` values, ``threshold`` in [0, 1],
+    ``temperature`` finite and > 0 (greedy rollouts record log-probs at 1.0),
+    ``completion_length`` >= 1, ``schedule_steps`` >= 1 and set for the schedule rule, ids
+    >= 0 and the stop ids without the mask id.
+    """
 
     alignment: str
     commit_rule: str
@@ -84,9 +110,53 @@ class SamplingSettings:
     pad_id: int
     stop_ids: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        def fail(field: str, requirement: str, received: Any) -> ValueError:
+            return ValueError(f"`settings.{field}` must {requirement}; received {received!r}")
+
+        choices = (
+            ("alignment", Alignment),
+            ("commit_rule", CommitRule),
+            ("confidence", Confidence),
+            ("strategy", ScheduleStrategy),
+        )
+        for field, literal in choices:
+            if getattr(self, field) not in get_args(literal):
+                raise fail(field, f"be one of {get_args(literal)}", getattr(self, field))
+        if not (_is_real(self.threshold) and 0.0 <= self.threshold <= 1.0):
+            raise fail("threshold", "be a number in [0, 1]", self.threshold)
+        temperature = self.temperature
+        if not (_is_real(temperature) and math.isfinite(temperature) and temperature > 0):
+            raise fail("temperature", "be a finite number > 0", temperature)
+        for field in ("greedy", "stop_when_done"):
+            if not isinstance(getattr(self, field), bool):
+                raise fail(field, "be a bool", getattr(self, field))
+        if not (_is_int(self.completion_length) and self.completion_length >= 1):
+            raise fail("completion_length", "be an integer >= 1", self.completion_length)
+        if self.schedule_steps is not None and not (
+            _is_int(self.schedule_steps) and self.schedule_steps >= 1
+        ):
+            raise fail("schedule_steps", "be an integer >= 1 or None", self.schedule_steps)
+        if self.commit_rule == "schedule" and self.schedule_steps is None:
+            raise fail("schedule_steps", "be set when commit_rule is 'schedule'", None)
+        for field in ("mask_id", "pad_id"):
+            if not (_is_int(getattr(self, field)) and getattr(self, field) >= 0):
+                raise fail(field, "be a token id >= 0", getattr(self, field))
+        if not isinstance(self.stop_ids, tuple) or not all(
+            _is_int(token) and token >= 0 for token in self.stop_ids
+        ):
+            raise fail("stop_ids", "be a tuple of token ids >= 0", self.stop_ids)
+        if self.mask_id in self.stop_ids:
+            raise fail("stop_ids", f"not contain the mask id {self.mask_id}", self.stop_ids)
+
     @classmethod
     def from_config(cls, rollout: RolloutConfig, special: SpecialIds) -> SamplingSettings:
         check_contract(rollout.alignment, rollout.canvas, prefix="rollout.")
+        if rollout.max_completion_length is None:
+            raise ValueError(
+                "`rollout.max_completion_length` must be set to build sampling settings "
+                "(a job fills it in from its tasks); received None"
+            )
         return cls(
             alignment=rollout.alignment,
             commit_rule=rollout.commit_rule,
@@ -393,10 +463,15 @@ def denoise(
     for name, value in (("mask_id", settings.mask_id), ("pad_id", settings.pad_id)):
         if not 0 <= value < config.vocab_size:
             raise ValueError(f"`settings.{name}` must be in [0, {config.vocab_size}); {value}")
-    if settings.mask_id in settings.stop_ids:
+    if settings.mask_id in settings.stop_ids:  # also refused on construction
         raise ValueError(
             f"`settings.stop_ids` must not contain the mask id {settings.mask_id}; "
             f"received {settings.stop_ids}"
+        )
+    if settings.alignment == "shifted" and layout.block_size < 2:
+        raise ValueError(
+            "`layout.block_size` must be >= 2 with the shifted + seed_and_mask contract (a "
+            f"block of 1 is all anchor: nothing is ever corrupted); received {layout.block_size}"
         )
     graphdef, state = nnx.split(model)
     return _denoise(graphdef, state, layout, keys, settings, prefix_cache)

@@ -11,7 +11,9 @@ global denominators:
 The loss of a batch is ``sum_t coefficient_t * sum_t / denominator_t`` with the
 denominators summed over all microbatches first (:func:`combine`). A zero denominator gives a
 loss of exactly 0 with zero gradients; weights are applied with ``where`` so NaN/inf on
-inactive slots never leak.
+inactive slots never leak. ``layout.loss_weights`` (``block_ce`` and the causal CE) must be
+finite and >= 0: refused when concrete; under ``jit`` an invalid weight counts as 0 (the
+training step reports how many in its ``invalid_weights`` metric).
 
 Objectives (``ObjectiveConfig.kind``):
 
@@ -43,11 +45,11 @@ import jax.numpy as jnp
 
 from distill.config import ObjectiveConfig
 from distill.diffusion import alignment as align
-from distill.diffusion.corruption import Corruption, corrupt
+from distill.diffusion.corruption import Corruption, check_mask_id, corrupt
 from distill.diffusion.layout import BlockLayout
 from distill.models.logprobs import gathered_log_probs
 from distill.models.transformer import Transformer
-from distill.weighted import f32_sum, safe_ratio
+from distill.weighted import check_weights, f32_sum, invalid_weights, safe_ratio
 
 OBJECTIVES = ("block_ce", "mdlm", "self_corrupted", "coordination", "cmd")
 
@@ -69,6 +71,14 @@ def ramp(step: jax.Array | int, ramp_steps: int) -> jax.Array:
     if ramp_steps == 0:
         return jnp.float32(1.0)
     return jnp.clip(jnp.asarray(step, jnp.float32) / ramp_steps, 0.0, 1.0)
+
+
+def loss_weights(layout: BlockLayout) -> jax.Array:
+    """``layout.loss_weights``, refused when concrete and negative or non-finite; traced,
+    such entries are 0 (so they can neither flip a term's sign nor make it NaN)."""
+    check_weights("layout.loss_weights", layout.loss_weights)
+    weights = layout.loss_weights
+    return jnp.where(invalid_weights(weights), 0.0, weights)
 
 
 def _fold(keys: jax.Array, tag: int) -> jax.Array:
@@ -187,6 +197,7 @@ class Objective:
             raise ValueError(
                 f"`objective.kind` must be one of {OBJECTIVES}; received {self.config.kind!r}"
             )
+        check_mask_id(self.mask_id)
 
     # -- randomness and denominators ------------------------------------------------------
 
@@ -218,7 +229,7 @@ class Objective:
         out = {}
         for name in self.term_names():
             if name == "block_ce":
-                out[name] = f32_sum(layout.loss_weights, plan.corruption.target_mask)
+                out[name] = f32_sum(loss_weights(layout), plan.corruption.target_mask)
             elif name == "coordination":
                 out[name] = jnp.sum(plan.coordination_order >= 0, dtype=jnp.float32)
             else:
@@ -266,7 +277,7 @@ class Objective:
     def _block_ce(self, model, layout, plan):
         corruption = plan.corruption
         logp = self._log_probs(model, layout, corruption.canvas)
-        return f32_sum(-logp * layout.loss_weights, corruption.target_mask)
+        return f32_sum(-logp * loss_weights(layout), corruption.target_mask)
 
     def _mdlm(self, model, layout, corruption, canvas=None, scored=None):
         canvas = corruption.canvas if canvas is None else canvas
@@ -350,7 +361,7 @@ class CausalLM:
 
     def denominators(self, layout: BlockLayout, plan: None) -> dict[str, jax.Array]:
         scored, _ = self._scored(layout)
-        return {"causal_ce": f32_sum(layout.loss_weights, scored)}
+        return {"causal_ce": f32_sum(loss_weights(layout), scored)}
 
     def coefficients(self, plan: None) -> dict[str, float]:
         return {"causal_ce": 1.0}
@@ -364,7 +375,7 @@ class CausalLM:
             layout.tokens,
             vocab_chunk=self.vocab_chunk,
         )
-        return {"causal_ce": f32_sum(-logp * layout.loss_weights, scored)}
+        return {"causal_ce": f32_sum(-logp * loss_weights(layout), scored)}
 
 
 # ---- evaluation -------------------------------------------------------------------------
@@ -408,6 +419,7 @@ __all__ = [
     "CausalLM",
     "combine",
     "coordination_targets",
+    "loss_weights",
     "nll_bound",
     "ramp",
     "safe_ratio",

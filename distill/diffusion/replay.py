@@ -20,6 +20,13 @@ excluded.
 Log-probs are gathered with a chunked log-sum-exp over the vocabulary
 (:func:`~distill.models.logprobs.gathered_log_probs`), never as ``[B, L, V]`` logits.
 Both paths return ``[B, L]`` float32 with zeros outside the completion.
+
+The static step count (``num_steps`` / ``num_chunks``) must cover every recorded step
+(:func:`num_steps_bucket`). Where ``trace.action_steps`` is concrete (an eager call, or a
+trace closed over as a constant under ``jit``) a smaller count raises, naming the count the
+trace needs. Where it is traced (the trace is a ``jit`` argument, as in the OPD update) it
+cannot be read: actions at steps the count does not cover then replay as NaN in both paths,
+so a loss built on them is non-finite rather than silently missing those actions.
 """
 
 from __future__ import annotations
@@ -136,6 +143,20 @@ def num_steps_bucket(trace: Trace, multiple: int = 8) -> int:
     return max(multiple, -(-most // multiple) * multiple)
 
 
+def _check_step_count(trace: Trace, count: int, field: str) -> None:
+    """Raise if ``count`` is below the trace's step count, when the steps are concrete."""
+    if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 1:
+        raise ValueError(f"`{field}` must be an integer >= 1; received {count!r}")
+    if isinstance(trace.action_steps, jax.core.Tracer):
+        return  # under jit: uncovered steps come out NaN (module docstring)
+    needed = int(np.max(np.asarray(trace.action_steps), initial=-1)) + 1
+    if count < needed:
+        raise ValueError(
+            f"`{field}` must be >= {needed}, the trace's step count (num_steps_bucket gives a "
+            f"bucketed count); received {count}"
+        )
+
+
 def _source_offset(trace: Trace) -> int:
     return 1 if trace.settings.alignment == "shifted" else 0
 
@@ -160,7 +181,9 @@ def replay_per_step(
     model: Transformer, trace: Trace, *, num_steps: int, vocab_chunk: int | None = 4096
 ) -> jax.Array:
     """Reference replay: one full forward per step ``0..num_steps-1`` (steps no row took
-    contribute nothing). ``num_steps`` is static; use :func:`num_steps_bucket`."""
+    contribute nothing). ``num_steps`` is static and must cover every recorded step (use
+    :func:`num_steps_bucket`): checked when the trace is concrete, NaN where it is not."""
+    _check_step_count(trace, num_steps, "num_steps")
     graphdef, state = nnx.split(model)
     batch, length = trace.tokens.shape
     size, offset = trace.block_size, _source_offset(trace)
@@ -183,7 +206,9 @@ def replay_per_step(
     out, _ = jax.lax.scan(
         body, jnp.zeros((batch, length), jnp.float32), jnp.arange(num_steps, dtype=jnp.int32)
     )
-    return out
+    # An action the scan never reached would read 0 (probability 1): make it loud.
+    uncovered = trace.completion_mask & (trace.action_steps >= num_steps)
+    return jnp.where(uncovered, jnp.nan, out)
 
 
 def _chunks(trace: Trace, num_chunks: int) -> tuple[jax.Array, jax.Array]:
@@ -255,9 +280,10 @@ def replay_packed(
 ) -> jax.Array:
     """Fast exact replay over packed canvas chunks (one per row and step): ``[B, L]``.
 
-    ``num_chunks`` (static) must be >= every row's step count (:func:`num_steps_bucket`).
-    ``chunks_per_forward`` (block-sparse path only) bounds how many chunks are attended at
-    once; it must divide ``num_chunks``.
+    ``num_chunks`` (static) must be >= every row's step count (:func:`num_steps_bucket`):
+    checked when the trace is concrete, NaN where it is not. ``chunks_per_forward``
+    (block-sparse path only) bounds how many chunks are attended at once; it must divide
+    ``num_chunks``.
     """
     replayed = replay_completion(
         model,
@@ -292,6 +318,7 @@ def replay_completion(
             f"`chunks_per_forward` must divide num_chunks={num_chunks}; "
             f"received {chunks_per_forward}"
         )
+    _check_step_count(trace, num_chunks, "num_chunks")
     batch, length = trace.tokens.shape
     size, offset = trace.block_size, _source_offset(trace)
     sources, canvas = _chunks(trace, num_chunks)
@@ -327,11 +354,16 @@ def replay_completion(
         hidden = jnp.concatenate([clean, chunk_hidden], axis=1)
 
     slots, present = _completion_slots(trace)
-    step = jnp.maximum(jnp.take_along_axis(trace.action_steps, slots, axis=1), 0)
+    recorded = jnp.take_along_axis(trace.action_steps, slots, axis=1)
+    uncovered = present & (recorded >= num_chunks)
+    step = jnp.clip(recorded, 0, num_chunks - 1)
     source = slots - offset
     in_block = source // size == slots // size
     source_index = jnp.where(in_block, length + step * size + source % size, source)
     picked = jnp.take_along_axis(hidden, jnp.maximum(source_index, 0)[..., None], axis=1)
+    # A step past the last chunk has no canvas: everything read from it is NaN, never a
+    # plausible value from another step's chunk.
+    picked = jnp.where(uncovered[..., None], jnp.nan, picked)
     targets = jnp.take_along_axis(trace.tokens, slots, axis=1)
     logp = jnp.where(present, _log_probs(model, picked, targets, trace, vocab_chunk), 0.0)
     gathered = None

@@ -16,8 +16,35 @@ so they agree to float32 precision at any logit scale.
 
 from __future__ import annotations
 
+import math
+import numbers
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+
+def check_temperature(temperature: Any) -> None:
+    """A sampling temperature is a static, finite number > 0 (inf flattens every
+    distribution to uniform, NaN poisons it)."""
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not (math.isfinite(temperature) and temperature > 0)
+    ):
+        raise ValueError(f"`temperature` must be a finite number > 0; received {temperature!r}")
+
+
+def _check_excluded(excluded_id: Any, vocab: int) -> None:
+    # A negative id would exclude an id counted from the end (or, chunked, nothing at all).
+    if excluded_id is None:
+        return
+    if (
+        isinstance(excluded_id, bool)
+        or not isinstance(excluded_id, numbers.Integral)
+        or not 0 <= excluded_id < vocab
+    ):
+        raise ValueError(f"`excluded_id` must be an id in [0, {vocab}); received {excluded_id!r}")
 
 
 def tempered_log_softmax(
@@ -26,8 +53,8 @@ def tempered_log_softmax(
     """``log softmax(logits / temperature)`` over the last axis, float32, with
     ``excluded_id`` (the mask id) at -inf: the full-vocabulary twin of
     :func:`gathered_log_probs`, rounded the same way."""
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be > 0; received {temperature}")
+    check_temperature(temperature)
+    _check_excluded(excluded_id, logits.shape[-1])
     logits = logits.astype(jnp.float32)
     if excluded_id is not None:
         logits = logits.at[..., excluded_id].set(-jnp.inf)
@@ -61,9 +88,9 @@ def gathered_log_probs(
             f"`targets` must be [B, N] or [B, N, k] matching hidden {hidden.shape[:2]}; "
             f"received {targets.shape}"
         )
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be > 0; received {temperature}")
+    check_temperature(temperature)
     d_model, vocab = output_embedding.shape
+    _check_excluded(excluded_id, vocab)
     if hidden.shape[-1] != d_model:
         raise ValueError(
             f"`output_embedding` must be [{hidden.shape[-1]}, V]; received {output_embedding.shape}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from distill.models.kv_cache import KVCache
+from distill.models.logprobs import check_temperature
 from distill.models.transformer import Transformer
 
 
@@ -109,8 +111,14 @@ def sample_causal(
         raise ValueError("`prompts` must be a non-empty list of non-empty id lists")
     if max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be >= 1; received {max_new_tokens}")
-    if not greedy and temperature <= 0:
-        raise ValueError(f"`temperature` must be > 0 unless greedy; received {temperature}")
+    if not greedy:
+        check_temperature(temperature)
+    vocab = model.config.vocab_size
+    for token in excluded_ids:
+        # A negative id would index from the end and exclude the wrong token.
+        integral = isinstance(token, numbers.Integral) and not isinstance(token, bool)
+        if not (integral and 0 <= token < vocab):
+            raise ValueError(f"`excluded_ids` must hold ids in [0, {vocab}); received {token!r}")
     width = max(len(p) for p in prompts)
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     positions = np.zeros_like(tokens)

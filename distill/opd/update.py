@@ -155,6 +155,9 @@ def opd_update(
             "loss.task_reward_weight > 0"
         )
     graphdef, state = nnx.split((optimizer, model))
+    # The step donates the state it is given; donate a private copy, so arrays that another
+    # holder shares (an `nnx.clone` of the model, a published weight view) stay alive.
+    state = jax.tree.map(jnp.copy, state)
     reference_graphdef, reference_state = None, None
     if loss.kl_reference_weight > 0:
         reference_graphdef, reference_state = nnx.split(reference)

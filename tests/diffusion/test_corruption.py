@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from distill.config import ConfigError
 from distill.diffusion import alignment
-from distill.diffusion.corruption import anchor_mask, corrupt
+from distill.diffusion.corruption import anchor_mask, corrupt, forced_targets
 from distill.diffusion.layout import build_training_layout
 
 CONTRACTS = [("same_position", "all_masked"), ("shifted", "seed_and_mask")]
@@ -31,6 +31,8 @@ def layouts(draw):
 @given(layouts(), st.floats(0.01, 1.0))
 def test_corruption_masks_nest_and_padding_is_inert(case, min_noise):
     layout, seed, (alignment_name, canvas) = case
+    # Refused (test_one_slot_blocks_under_seed_and_mask_are_refused): all anchors.
+    assume(not (canvas == "seed_and_mask" and layout.block_size == 1))
     keys = jax.random.split(jax.random.key(seed), layout.tokens.shape[0])
     result = corrupt(
         layout, keys, alignment=alignment_name, canvas=canvas, min_noise=min_noise, mask_id=1
@@ -144,3 +146,49 @@ def test_alignment_follows_logical_positions_after_any_permutation(seed, alignme
             source = sources[slot]
             assert permuted_segments[source] == segment
             assert permuted_positions[source] == position - offset
+
+
+def _one_row(block_size, answer=8):
+    return build_training_layout(
+        [[5, 5]], [[6] * answer], horizon=8, block_size=block_size, pad_id=0, mask_id=1,
+        vocab_size=10,
+    )  # fmt: skip
+
+
+def test_one_slot_blocks_under_seed_and_mask_are_refused():
+    keys = jax.random.split(jax.random.key(0), 1)
+    with pytest.raises(ValueError, match=r"^`layout.block_size` must be >= 2 .*; received 1$"):
+        corrupt(
+            _one_row(1), keys, alignment="shifted", canvas="seed_and_mask", min_noise=0.1,
+            mask_id=1,
+        )  # fmt: skip
+    # same_position + all_masked still corrupts one-slot blocks.
+    result = corrupt(
+        _one_row(1), keys, alignment="same_position", canvas="all_masked", min_noise=0.1,
+        mask_id=1,
+    )  # fmt: skip
+    assert np.asarray(result.corruption_mask).sum() == 8  # every block forced to a target
+
+
+@pytest.mark.parametrize("mask_id", [-1, 1.0, True])
+def test_a_mask_id_that_is_not_a_token_id_is_refused(mask_id):
+    keys = jax.random.split(jax.random.key(0), 1)
+    with pytest.raises(ValueError, match=r"^`mask_id` must be a token id >= 0; received"):
+        corrupt(
+            _one_row(2), keys, alignment="same_position", canvas="all_masked", min_noise=0.1,
+            mask_id=mask_id,
+        )  # fmt: skip
+
+
+def test_tied_minimum_draws_force_exactly_one_slot_the_lowest_logical_position():
+    # One row, two blocks of 4 slots; slots hold positions out of order (alignment is by
+    # logical position, never by slot). Block 0: three eligible slots tie for the minimum;
+    # block 1 already has a target; block 2 (position 8, ineligible) has nothing to force.
+    positions = jnp.asarray([[2, 0, 3, 1, 4, 5, 6, 7, 8]], jnp.int32)
+    block = positions // 4
+    draws = jnp.asarray([[0.3, 0.3, 0.9, 0.3, 0.3, 0.3, 0.5, 0.5, 0.0]], jnp.float32)
+    eligible = jnp.asarray([[True] * 8 + [False]])
+    has_target = jnp.asarray([[False] * 5 + [True] + [False] * 3])
+    forced = np.asarray(forced_targets(draws, eligible, has_target, block, positions, 3))
+    # Ties at positions 2, 0 and 1: only position 0 (slot 1) is forced; block 1 has a target.
+    np.testing.assert_array_equal(forced, [[0, 1, 0, 0, 0, 0, 0, 0, 0]])

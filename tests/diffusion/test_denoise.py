@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distill.config import ConfigError, RolloutConfig
+from distill.config import ConfigError, ModelConfig, RolloutConfig
+from distill.diffusion import denoise
 from distill.diffusion.denoise import SamplingSettings, rollout, row_keys
+from distill.models.transformer import Transformer
 from tests.diffusion.conftest import COMPLETION
 
 
@@ -182,6 +184,54 @@ def test_bad_rollout_arguments_are_named(student, tokenizer, prompts):
         rollout(student, prompts, settings, seed=0, global_step=0, mode="test")
     with pytest.raises(ValueError, match="`row_ids`"):
         rollout(student, prompts, settings, seed=0, global_step=0, row_ids=[0])
-    bad = dataclasses.replace(settings, stop_ids=(settings.mask_id,))
     with pytest.raises(ValueError, match="`settings.stop_ids`"):
+        # Refused when the settings are built, so no rollout can start with them.
+        bad = dataclasses.replace(settings, stop_ids=(settings.mask_id,))
         rollout(student, prompts, bad, seed=0, global_step=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        ("alignment", {"alignment": "diagonal"}),  # would have run as same_position
+        ("commit_rule", {"commit_rule": "sometimes"}),
+        ("confidence", {"confidence": "entropy"}),
+        ("strategy", {"strategy": "loudest"}),
+        ("threshold", {"threshold": 1.5}),
+        ("threshold", {"threshold": float("nan")}),
+        ("temperature", {"temperature": float("inf")}),
+        ("temperature", {"temperature": float("nan")}),
+        ("temperature", {"temperature": 0.0}),
+        ("completion_length", {"completion_length": 0}),
+        ("schedule_steps", {"schedule_steps": 0}),
+        ("schedule_steps", {"commit_rule": "schedule", "schedule_steps": None}),
+        ("mask_id", {"mask_id": -1}),
+        ("pad_id", {"pad_id": -1}),
+        ("stop_ids", {"stop_ids": [3]}),
+        ("greedy", {"greedy": 1}),
+    ],
+)
+def test_hand_built_sampling_settings_are_validated_field_by_field(tokenizer, field, changes):
+    with pytest.raises(ValueError, match=rf"^`settings\.{field}` must .*; received"):
+        dataclasses.replace(settings_for(tokenizer), **changes)
+
+
+def test_shifted_rollout_with_one_slot_blocks_is_refused(tokenizer, prompts):
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32,
+        block_size=1,
+    )  # fmt: skip
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    settings = settings_for(tokenizer, alignment="shifted", canvas="seed_and_mask")
+    with pytest.raises(ValueError, match=r"^`layout.block_size` must be >= 2 .*; received 1$"):
+        rollout(model, prompts, settings, seed=0, global_step=0)
+
+
+def test_threshold_one_never_clears_even_at_a_confidence_of_exactly_one(tokenizer):
+    """The documented rule: ``score >= threshold`` only below 1, so a confidence that rounds
+    to 1.0 in float32 still commits one slot per step (the lowest of the tied best)."""
+    settings = settings_for(tokenizer, threshold=1.0)
+    score = np.ones((2, 4), np.float32)
+    pending = np.array([[True] * 4, [False, True, True, False]])
+    commit = np.asarray(denoise._select(score, pending, np.full(2, 4), settings))
+    np.testing.assert_array_equal(commit, [[1, 0, 0, 0], [0, 1, 0, 0]])

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from distill import train
-from distill.config import ModelConfig, ObjectiveConfig, load_config
+from distill.config import ModelConfig, ObjectiveConfig, OptimizerConfig, load_config
 from distill.diffusion import objectives
 from distill.diffusion.layout import build_training_layout
 from distill.models.transformer import Transformer
@@ -210,3 +210,56 @@ def test_every_objective_is_selectable_from_yaml(tmp_path, kind):
     path.write_text(f"kind: {kind}\nalpha: 0.3\n")
     config = load_config(path, ObjectiveConfig)
     assert objectives.Objective(config, MASK).term_names()
+
+
+@pytest.mark.parametrize("bad", [-1.0, np.nan, np.inf])
+def test_invalid_loss_weights_are_refused_eagerly_and_counted_under_jit(student, layout, bad):
+    block_ce = objective(kind="block_ce", context="corrupted")
+    slot = int(np.argmax(np.asarray(layout.completion_mask)[0]))
+    weights = np.asarray(layout.loss_weights).copy()
+    weights[0, slot] = bad
+    broken = dataclasses.replace(layout, loss_weights=jnp.asarray(weights))
+    keys = keys_for(layout, 13)
+    plan = block_ce.plan(broken, keys)
+    with pytest.raises(ValueError, match=r"^`layout.loss_weights` must be finite and >= 0"):
+        block_ce.denominators(broken, plan)
+    with pytest.raises(ValueError, match=r"^`layout.loss_weights` must be finite and >= 0"):
+        objectives.CausalLM().sums(student, broken, None, keys)
+    model = nnx.clone(student)
+    trainer = train.Trainer(model, train.make_train_state(model, OptimizerConfig()))
+    with pytest.raises(ValueError, match=r"^`layout.loss_weights` must be finite and >= 0"):
+        trainer.step(broken, keys, 0, objective=block_ce)
+    # Under jit the weight counts as 0 (neither a sign flip nor a NaN) and is reported.
+    weights[0, slot] = 0.0
+    zeroed = dataclasses.replace(layout, loss_weights=jnp.asarray(weights))
+    loss, metrics = loss_of(block_ce, student, broken, keys)
+    want, clean = loss_of(block_ce, student, zeroed, keys)
+    assert float(metrics["invalid_weights"]) == 1.0 and float(clean["invalid_weights"]) == 0.0
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    assert metrics["block_ce/denominator"] == clean["block_ce/denominator"]
+
+
+def test_training_a_clone_leaves_the_original_usable(student, layout):
+    """Steps donate the trainer's buffers; neither the model nor an ``nnx.clone`` of it (made
+    before the trainer, or after a sync) may hold them."""
+    original = nnx.clone(student)
+    before = [np.asarray(leaf).copy() for leaf in jax.tree.leaves(nnx.state(original))]
+    model = nnx.clone(original)  # shares every array with `original`
+    trainer = train.Trainer(model, train.make_train_state(model, OptimizerConfig()))
+    chosen = objective(kind="mdlm", context="corrupted")
+    keys = keys_for(layout, 17)
+    trainer.step(layout, keys, 0, objective=chosen)
+    after = jax.tree.leaves(nnx.state(original))
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(old, np.asarray(new))  # readable and untouched
+    synced = trainer.sync()
+    copy = nnx.clone(synced)
+    trainer.step(layout, keys, 1, objective=chosen)
+    # The clone of the synced model and the model itself survive the next donated step.
+    for leaf in jax.tree.leaves(nnx.state(copy)) + jax.tree.leaves(nnx.state(synced)):
+        assert np.isfinite(np.asarray(leaf)).all()
+    changed = trainer.sync()
+    assert any(
+        not np.array_equal(a, np.asarray(b))
+        for a, b in zip(before, jax.tree.leaves(nnx.state(changed)), strict=True)
+    )

@@ -269,3 +269,28 @@ def test_completion_replay_distributions_and_gathered_ids_agree_with_the_actions
         atol=1e-5,
     )
     assert np.all(gathered[present][:, 0] == -np.inf)
+
+
+def test_a_step_count_below_the_traces_is_refused_naming_the_needed_count(student, valid_trace):
+    needed = int(np.asarray(valid_trace.action_steps).max()) + 1
+    assert needed >= 2
+    short = needed - 1
+    with pytest.raises(ValueError, match=rf"^`num_steps` must be >= {needed}, .*; received"):
+        replay.replay_per_step(student, valid_trace, num_steps=short)
+    with pytest.raises(ValueError, match=rf"^`num_chunks` must be >= {needed}, .*; received"):
+        replay.replay_packed(student, valid_trace, num_chunks=short)
+    with pytest.raises(ValueError, match=rf"^`num_chunks` must be >= {needed}, .*; received"):
+        replay.replay_completion(student, valid_trace, num_chunks=short)
+
+
+def test_under_jit_uncovered_steps_replay_as_nan_in_both_paths(student, valid_trace):
+    """Traced, the trace's steps cannot be checked; the actions a short count misses come
+    out NaN (a non-finite loss downstream), never 0 or another step's value."""
+    steps = np.asarray(valid_trace.action_steps)
+    short = int(steps.max())  # one step short
+    uncovered = np.asarray(valid_trace.completion_mask) & (steps >= short)
+    exact = np.asarray(valid_trace.action_logps)
+    for logps in (per_step(student, valid_trace, short), packed(student, valid_trace, short)):
+        logps = np.asarray(logps)
+        assert np.isnan(logps[uncovered]).all()
+        np.testing.assert_allclose(logps[~uncovered], exact[~uncovered], atol=1e-5, rtol=0)

@@ -111,3 +111,24 @@ def test_mismatched_shapes_name_the_field():
         gathered_log_probs(jnp.zeros((1, 3, 4)), jnp.zeros((4, 5)), jnp.zeros((1, 2), jnp.int32))
     with pytest.raises(ValueError, match="`output_embedding`"):
         gathered_log_probs(jnp.zeros((1, 3, 4)), jnp.zeros((3, 5)), jnp.zeros((1, 3), jnp.int32))
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 0.0, -1.0])
+def test_a_temperature_that_is_not_finite_and_positive_is_refused(temperature):
+    hidden, weights = np.zeros((1, 2, 4), np.float32), np.zeros((4, 5), np.float32)
+    targets = np.zeros((1, 2), np.int32)
+    with pytest.raises(ValueError, match=r"^`temperature` must be a finite number > 0"):
+        gathered_log_probs(hidden, weights, targets, temperature=temperature)
+    with pytest.raises(ValueError, match=r"^`temperature` must be a finite number > 0"):
+        tempered_log_softmax(np.zeros((2, 5), np.float32), temperature)
+
+
+@pytest.mark.parametrize("excluded_id", [-1, 5])
+def test_an_excluded_id_outside_the_vocabulary_is_refused(excluded_id):
+    # -1 would have excluded the last id (dense) or nothing at all (chunked).
+    hidden, weights = np.zeros((1, 2, 4), np.float32), np.zeros((4, 5), np.float32)
+    targets = np.zeros((1, 2), np.int32)
+    with pytest.raises(ValueError, match=r"^`excluded_id` must be an id in \[0, 5\)"):
+        gathered_log_probs(hidden, weights, targets, excluded_id=excluded_id)
+    with pytest.raises(ValueError, match=r"^`excluded_id` must be an id in \[0, 5\)"):
+        tempered_log_softmax(np.zeros((2, 5), np.float32), excluded_id=excluded_id)

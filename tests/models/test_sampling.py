@@ -81,3 +81,12 @@ def test_sampling_refuses_a_block_diffusion_model_and_bad_arguments(teacher):
         sample_causal(teacher, [[5]], max_new_tokens=0, **common)
     with pytest.raises(ValueError, match="`prompts`"):
         sample_causal(teacher, [[]], max_new_tokens=2, **common)
+
+
+def test_sampling_refuses_a_non_finite_temperature_and_a_negative_excluded_id(teacher):
+    common = dict(key=jax.random.key(0), pad_id=0, stop_ids=(3,), max_new_tokens=2)
+    for temperature in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"^`temperature` must be a finite number > 0"):
+            sample_causal(teacher, [[5]], temperature=temperature, **common)
+    with pytest.raises(ValueError, match=r"^`excluded_ids` must hold ids in \[0, 23\)"):
+        sample_causal(teacher, [[5]], excluded_ids=(-1,), **common)

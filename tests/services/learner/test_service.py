@@ -81,7 +81,10 @@ def push_error(stub, rows):
     [
         ("action_logps", lambda row: row.action_logps.pop()),
         ("trace.tokens", lambda row: row.tokens.__setitem__(0, 10_000)),
-        ("trace.settings.mask_id", lambda row: setattr(row.settings, "mask_id", 3)),
+        # 4 is an ordinary id: the row is well formed but made under another mask id.
+        ("trace.settings.mask_id", lambda row: setattr(row.settings, "mask_id", 4)),
+        # 3 is the stop id: such settings are refused before they are compared.
+        ("settings.stop_ids", lambda row: setattr(row.settings, "mask_id", 3)),
         ("trace.block_size", lambda row: setattr(row, "block_size", 5)),
         ("trace.stream_positions", lambda row: setattr(row, "stream_position", 99)),
         ("trace.row_ids", lambda row: setattr(row, "row_id", 1000)),
