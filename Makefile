@@ -7,7 +7,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: setup test lint format demo bench proto clean
+.PHONY: setup test lint format demo bench proto clean cluster-up cluster-down
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ test: lint
 
 demo: setup
 	$(PY) -m services.demo $(DEMO_ARGS)
+
+# A local Ray head on loopback (Jobs API at http://127.0.0.1:8265) for `distill submit`.
+cluster-up: setup
+	deploy/local/cluster.sh up
+
+cluster-down: setup
+	deploy/local/cluster.sh down
 
 bench: setup
 	@for script in bench/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

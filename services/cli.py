@@ -3,6 +3,9 @@
     distill demo                       the end-to-end demo (same as ``make demo``)
     distill run CONFIG --run-dir DIR [--address RAY_ADDRESS] [--set a.b=value ...]
                   the whole job on Ray (embedded local Ray unless an address is given)
+    distill submit CONFIG --run-dir DIR [--address http://HOST:8265] [--wait] [--set ...]
+    distill status JOB | logs JOB [--follow] | stop JOB | list     [--address ...]
+                  the Ray Jobs API verbs (address else $RAY_ADDRESS else 127.0.0.1:8265)
     distill train-teacher CONFIG --run-dir DIR [--set a.b=value ...]
     distill warmup-student CONFIG --run-dir DIR [--teacher-run DIR] [--set a.b=value ...]
     distill opd CONFIG --run-dir DIR --student-run DIR (--teacher-run DIR | --teacher-server
@@ -45,6 +48,51 @@ def _job(args: argparse.Namespace) -> JobConfig:
     from services.common.config import JobSpec
 
     return load_config(args.config, JobSpec, args.set)
+
+
+def _submit(args: argparse.Namespace) -> None:
+    from services.jobs import api
+
+    submission = api.submit(_job(args), args.run_dir, address=args.address, job_id=args.job_id)
+    print(f"submitted {submission.job_id} to {submission.address}", flush=True)
+    if args.wait:
+        final = api.wait(submission.job_id, args.address, timeout_s=args.timeout)
+        print(f"{submission.job_id}: {final}")
+        if final != "SUCCEEDED":
+            raise api.JobsApiError(f"job {submission.job_id} ended {final}")
+
+
+def _status(args: argparse.Namespace) -> None:
+    from services.jobs import api
+
+    info = api.status(args.job, args.address)
+    print(
+        f"{info['job_id']}: {info['status']}" + (f" ({info['message']})" if info["message"] else "")
+    )
+
+
+def _logs(args: argparse.Namespace) -> None:
+    from services.jobs import api
+
+    if args.follow:
+        for chunk in api.follow(args.job, args.address):
+            print(chunk, end="", flush=True)
+    else:
+        print(api.logs(args.job, args.address), end="")
+
+
+def _stop(args: argparse.Namespace) -> None:
+    from services.jobs import api
+
+    stopped = api.stop(args.job, args.address)
+    print(f"{args.job}: {'stop requested' if stopped else 'already ended'}")
+
+
+def _list(args: argparse.Namespace) -> None:
+    from services.jobs import api
+
+    for job in api.list_jobs(args.address):
+        print(f"{job['job_id']}  {job['status']:<9}  {job['entrypoint']}")
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -322,6 +370,31 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(run=_run)
 
+    address_help = "the cluster's Jobs API, http://HOST:8265 (else $RAY_ADDRESS, else local)"
+    submit = commands.add_parser("submit", help="submit `distill run` to a Ray cluster's Jobs API")
+    submit.add_argument("config", help="job YAML (validated here, with --set applied)")
+    submit.add_argument("--run-dir", required=True, help="run directory on the cluster")
+    submit.add_argument("--address", default=None, help=address_help)
+    submit.add_argument("--job-id", default=None, help="submission id (default: Ray's)")
+    submit.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    submit.add_argument("--wait", action="store_true", help="wait for the job to end")
+    submit.add_argument("--timeout", type=float, default=24 * 3600.0, help="with --wait")
+    submit.set_defaults(run=_submit)
+    for name, handler, text in (
+        ("status", _status, "a submitted job's status"),
+        ("logs", _logs, "a submitted job's log"),
+        ("stop", _stop, "stop a submitted job (rerun `distill submit` to resume it)"),
+    ):
+        verb = commands.add_parser(name, help=text)
+        verb.add_argument("job", help="job (submission) id")
+        verb.add_argument("--address", default=None, help=address_help)
+        if name == "logs":
+            verb.add_argument("--follow", action="store_true", help="until the job ends")
+        verb.set_defaults(run=handler)
+    listing = commands.add_parser("list", help="jobs of a Ray cluster")
+    listing.add_argument("--address", default=None, help=address_help)
+    listing.set_defaults(run=_list)
+
     distill = commands.add_parser(
         "opd", help="on-policy distillation of a warmed-up student (resumable)"
     )
@@ -392,9 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distill {args.command}: {error}", file=sys.stderr)
         return 1
     except Exception as error:
+        from services.jobs.api import JobsApiError
         from services.jobs.driver import JobFailed
 
-        if not isinstance(error, JobFailed):
+        if not isinstance(error, JobFailed | JobsApiError):
             raise
         print(f"distill {args.command}: {error}", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 refused with INVALID_ARGUMENT naming the field while the service keeps serving, and the
 runtime training what the workers pushed."""
 
+import struct
 import threading
 
 import grpc
@@ -20,8 +21,24 @@ from services.rollout.worker import RolloutWorker
 from tests.support.fakes import tiny_job, tiny_models
 
 
+def scalar_tags(directory):
+    """Tags of the scalars in TensorBoard event files (TFRecord: length, crc, data, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    tags = set()
+    for path in directory.glob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            tags |= {value.tag for value in event.summary.value}
+            offset += 12 + length + 4
+    return tags
+
+
 @pytest.fixture(scope="module")
-def service():
+def service(tmp_path_factory):
     job = tiny_job("opd.steps=2", "loss.max_staleness=0")
     teacher_model, student = tiny_models(job)
     tokenizer = pipeline.job_tokenizer(job)
@@ -34,6 +51,7 @@ def service():
         shards_per_step=2,
         publish=lambda version, weights: published.__setitem__(version, weights),
         step_timeout_s=120,
+        tensorboard_dir=tmp_path_factory.mktemp("tensorboard"),
     )
     address = runtime.start()
     channel = grpc.insecure_channel(address)
@@ -149,6 +167,8 @@ def test_workers_push_assigned_shards_and_the_runtime_trains_them(service):
     assert status.done and status.step == 2 and not status.error
     assert runtime.learner.ledger == [[0, 2 * job.data.batch_size]]
     assert all(np.isfinite(metrics["loss"]) for metrics in runtime.history)
+    tags = scalar_tags(runtime.tensorboard_dir)
+    assert {"opd/loss", "opd/teacher_seconds", "opd/publish_seconds", "eval/exact_match"} <= tags
     done = stub.AcquireWork(learner_pb2.WorkRequest(worker_id="late"), timeout=10)
     assert done.kind == learner_pb2.WorkAssignment.DONE
     for worker in workers:
