@@ -44,6 +44,18 @@ def _job(job: dict[str, Any]):
     return JobSpec(**job)
 
 
+def _advertised(bound: str) -> str:
+    """The address other nodes dial for a server bound at ``bound``: a wildcard bind
+    (``0.0.0.0`` / ``::``) is reached at this node's IP, which Ray knows."""
+    host, _, port = bound.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        import ray
+
+        node = ray.util.get_node_ip_address()
+        return f"[{node}]:{port}" if ":" in node else f"{node}:{port}"
+    return bound
+
+
 def _token(job) -> str | None:
     from services.common.auth import read_token
 
@@ -70,7 +82,7 @@ class TeacherReplica:
         teacher = InProcessTeacher(model, pipeline.job_tokenizer(self.job))
         config = TeacherServerConfig(address=f"{self.job.cluster.host}:0", token=_token(self.job))
         self.server = serve_teacher(teacher, config)
-        return self.server.address
+        return _advertised(self.server.address)
 
     def stats(self) -> dict[str, Any]:
         import dataclasses
@@ -195,7 +207,7 @@ class LearnerActor:
             on_metrics=self._record_metrics,
         )
         del nnx
-        address = self.runtime.start()
+        address = _advertised(self.runtime.start())
         return {"address": address, "step": learner.step}
 
     def weights(self, version: int, timeout_s: float = 600.0) -> list[Any]:
