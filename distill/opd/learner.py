@@ -286,6 +286,7 @@ class OpdLearner:
                     "(the job stops before saving this update)"
                 )
         metrics["tokens_per_forward"] = trace.tokens_per_forward()
+        metrics["completion_tokens"] = float(np.asarray(batch.slots["completion_mask"]).sum())
         metrics["cut_without_stop"] = float(1.0 - trace.stopped().mean())
         metrics["staleness"] = float(step - batch.policy_version)
         prompts = self.plan.prompts_per_step

@@ -144,6 +144,7 @@ class LearnerActor:
                 "teacher_seconds",
                 "step_seconds",
                 "tokens_per_forward",
+                "tokens_per_second",
                 "loss",
             )
             self._metrics = {

@@ -266,6 +266,7 @@ class LearnerRuntime:
                     "teacher_seconds": self.teacher.seconds,
                     "publish_seconds": published - trained,
                     "step_seconds": published - waited,
+                    "tokens_per_second": metrics["completion_tokens"] / (published - waited),
                     "dropped_stale_rows": float(self.scheduler.counts.dropped_stale_rows),
                 }
                 self.history.append(metrics)

@@ -168,7 +168,13 @@ def test_workers_push_assigned_shards_and_the_runtime_trains_them(service):
     assert runtime.learner.ledger == [[0, 2 * job.data.batch_size]]
     assert all(np.isfinite(metrics["loss"]) for metrics in runtime.history)
     tags = scalar_tags(runtime.tensorboard_dir)
-    assert {"opd/loss", "opd/teacher_seconds", "opd/publish_seconds", "eval/exact_match"} <= tags
+    assert {
+        "opd/loss",
+        "opd/teacher_seconds",
+        "opd/publish_seconds",
+        "opd/tokens_per_second",
+    } <= tags
+    assert "eval/exact_match" in tags
     done = stub.AcquireWork(learner_pb2.WorkRequest(worker_id="late"), timeout=10)
     assert done.kind == learner_pb2.WorkAssignment.DONE
     for worker in workers:
