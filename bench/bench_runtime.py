@@ -4,9 +4,10 @@ overlap (``loss.max_staleness: 1``) vs strictly alternating (``0``), in one run.
 The job is the demo's (``deploy/configs/agree.yaml``, shortened phases). Every process is
 limited to one core: the in-process loop runs here with XLA's CPU backend on one thread
 (``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``, set
-before JAX is imported), and each actor of the distributed runs gets the same flags
-through ``cluster.<role>.cpu_threads=1`` (one teacher replica, one rollout worker, one
-learner). On a 2-core machine the teacher, worker and learner share the two cores.
+before JAX is imported) pinned to core 0, and each actor of the distributed runs gets the
+same flags through ``cluster.<role>.cpu_threads=1`` and a core through
+``cluster.<role>.cpu_affinity``: the learner and the teacher it waits on share core 0, the
+one rollout worker has core 1.
 
 Steady-state time per step is the median over steps after ``--skip`` warm-up steps (which
 compile): for the in-process loop the wall time of rollout + train; for the distributed
@@ -65,6 +66,11 @@ def job_for(steps: int, staleness: int, extra: list[str]) -> JobSpec:
         "cluster.teacher.cpu_threads=1",
         "cluster.rollout.cpu_threads=1",
         "cluster.learner.cpu_threads=1",
+        # The learner and the teacher (which the learner waits on) share core 0, the
+        # rollout worker has core 1: the overlap the runtime can give on two cores.
+        "cluster.learner.cpu_affinity=[0]",
+        "cluster.teacher.cpu_affinity=[0]",
+        "cluster.rollout.cpu_affinity=[1]",
         *extra,
     ]
     return load_config(ROOT / "deploy/configs/agree.yaml", JobSpec, overrides)
@@ -75,11 +81,15 @@ def in_process_step_seconds(job: JobSpec, run: Path) -> list[float]:
     teacher = InProcessTeacher(pipeline.load_teacher_run(job, run / "teacher"), tokenizer)
     student = pipeline.load_student_run(job, run / "student")
     learner = OpdLearner(job, student, teacher, tokenizer, log=lambda _: None)
+    # The in-process loop on core 0 alone, as the learner is in the distributed runs.
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
     seconds = []
     for _ in range(job.opd.steps):
         start = time.perf_counter()
         learner.train(learner.roll_out())
         seconds.append(time.perf_counter() - start)
+    os.sched_setaffinity(0, previous)
     learner.close()
     return seconds
 

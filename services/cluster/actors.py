@@ -27,7 +27,11 @@ METRIC_PREFIX = "distill_"
 
 def _configure_cpu_threads(threads: int | None) -> None:
     """Limit XLA's CPU backend to ``threads`` threads (``cluster.<role>.cpu_threads``, also
-    passed as ``DISTILL_CPU_THREADS``); must run before JAX is imported in the process."""
+    passed as ``DISTILL_CPU_THREADS``) and the process to ``DISTILL_CPU_AFFINITY`` cores
+    (``cluster.<role>.cpu_affinity``); must run before JAX is imported in the process."""
+    cores = os.environ.get("DISTILL_CPU_AFFINITY")
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(core) for core in cores.split(",")})
     threads = threads or int(os.environ.get("DISTILL_CPU_THREADS", "0")) or None
     if threads is None:
         return

@@ -33,6 +33,8 @@ def actor_options(role: RoleConfig, *, max_concurrency: int = 1) -> dict[str, An
         # A dedicated process whose XLA CPU backend uses that many threads (set before JAX
         # is imported there).
         env["DISTILL_CPU_THREADS"] = str(role.cpu_threads)
+    if role.cpu_affinity is not None:
+        env["DISTILL_CPU_AFFINITY"] = ",".join(str(core) for core in role.cpu_affinity)
     options["runtime_env"] = {"env_vars": env}
     return options
 

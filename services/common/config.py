@@ -139,13 +139,24 @@ class RoleConfig(ConfigModel):
     ``count``: actors (teacher replicas, rollout workers; the learner is always one).
     ``num_cpus`` / ``num_gpus`` / ``resources``: Ray resources per actor (custom resources,
     e.g. a TPU slice head ``{"TPU-v5e-8-head": 1}``). ``cpu_threads``: when set, the actor's
-    process runs XLA's CPU backend with that many threads (one core each for benchmarks)."""
+    process runs XLA's CPU backend with that many threads (one core each for benchmarks).
+    ``cpu_affinity``: when set, the actor's process runs only on these core ids (Linux
+    ``sched_setaffinity``; a benchmark's way to give each process its own core)."""
 
     count: int = Field(default=1, ge=1, strict=True)
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
     cpu_threads: int | None = Field(default=None, ge=1)
+    cpu_affinity: tuple[int, ...] | None = None
+
+    @model_validator(mode="after")
+    def _check_affinity(self) -> Self:
+        if self.cpu_affinity is not None and (not self.cpu_affinity or min(self.cpu_affinity) < 0):
+            raise config_error(
+                "cpu_affinity", "list at least one core id >= 0", list(self.cpu_affinity)
+            )
+        return self
 
 
 class ClusterConfig(ConfigModel):

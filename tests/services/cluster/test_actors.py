@@ -17,3 +17,24 @@ def test_a_wildcard_bind_is_advertised_at_the_node_ip(monkeypatch):
 def test_a_specific_bind_is_advertised_as_bound():
     assert _advertised("127.0.0.1:4100") == "127.0.0.1:4100"
     assert _advertised("10.0.0.5:4100") == "10.0.0.5:4100"
+
+
+def test_role_limits_reach_the_actor_process_environment():
+    from services.cluster.placement import actor_options
+    from services.common.config import RoleConfig
+
+    options = actor_options(RoleConfig(cpu_threads=1, cpu_affinity=[1]), max_concurrency=2)
+    env = options["runtime_env"]["env_vars"]
+    assert env["DISTILL_CPU_THREADS"] == "1" and env["DISTILL_CPU_AFFINITY"] == "1"
+    assert env["RAY_USAGE_STATS_ENABLED"] == "0" and options["max_concurrency"] == 2
+
+
+def test_an_empty_or_negative_affinity_is_refused_by_name():
+    import pytest
+
+    from distill.config import ConfigError
+    from services.common.config import RoleConfig
+
+    for cores in ([], [-1]):
+        with pytest.raises(ConfigError, match="`cpu_affinity` must list at least one core"):
+            RoleConfig(cpu_affinity=cores)
