@@ -369,14 +369,20 @@ class JobConfig(_Config):
             raise _field_error(
                 "student.attention_type", "be 'block_diffusion'", self.student.attention_type
             )
-        if self.opd.optimizer.microbatches != 1:
-            # The default advantages (return-to-go, sequence, GRPO) are normalized over the
-            # whole batch, so row slices do not add up to the batch's update; refused rather
-            # than silently ignored.
+        rows = self.data.batch_size * self.loss.group_size
+        microbatches = self.opd.optimizer.microbatches
+        if rows % microbatches:
             raise _field_error(
                 "opd.optimizer.microbatches",
-                "be 1 (OPD advantages use batch-wide baselines; accumulation is not supported)",
-                self.opd.optimizer.microbatches,
+                f"divide the OPD batch's {rows} rows (data.batch_size x loss.group_size)",
+                microbatches,
+            )
+        if self.loss.task_reward_weight > 0 and (rows // microbatches) % self.loss.group_size:
+            # GRPO normalizes within a prompt's group: a slice must hold whole groups.
+            raise _field_error(
+                "opd.optimizer.microbatches",
+                f"keep whole groups of loss.group_size={self.loss.group_size} in each slice",
+                microbatches,
             )
         for field in ("alignment", "canvas"):
             if getattr(self.rollout, field) != getattr(self.objective, field):

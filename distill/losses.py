@@ -373,6 +373,25 @@ def opd_advantages(
     return _return_to_go(r, active, jnp.asarray(order), mean=advantage == "mean_to_go")
 
 
+def reverse_kl_advantages(
+    student_logps: jax.Array,
+    teacher_logps: jax.Array,
+    weights: jax.Array,
+    order: jax.Array | None = None,
+    *,
+    advantage: str = "return_to_go",
+) -> jax.Array:
+    """The OPD advantages :func:`reverse_kl` computes, as ``[B, L]`` (stop-gradient): for
+    microbatch accumulation, computed once over the whole batch (their baselines are
+    batch-wide) and passed to each microbatch's :func:`reverse_kl`."""
+    active, weights = _weights(weights)
+    scored = active & jnp.isfinite(teacher_logps)
+    student = jax.lax.stop_gradient(jnp.where(active, student_logps, 0.0))
+    teacher = jax.lax.stop_gradient(jnp.where(scored, teacher_logps, 0.0))
+    log_ratio = jnp.where(scored, teacher - student, 0.0)
+    return opd_advantages(log_ratio, weights, order, advantage=advantage)
+
+
 def reverse_kl(
     student_logps: jax.Array,
     behaviour_logps: jax.Array,
@@ -383,8 +402,13 @@ def reverse_kl(
     advantage: str = "return_to_go",
     ppo_clip: float | None = None,
     extra_advantages: jax.Array | None = None,
+    opd_advantage_values: jax.Array | None = None,
 ) -> LossTerms:
     """The default OPD loss: reverse KL(student || teacher) by policy gradient.
+
+    ``opd_advantage_values`` ``[B, L]``: the OPD advantages computed beforehand over a
+    larger batch (:func:`reverse_kl_advantages`; microbatch accumulation), used instead of
+    computing them from these rows alone.
 
     ``student_logps [B, L]``: live student's log-prob of the committed token (exact replay;
     differentiable). ``behaviour_logps``: the trace's ``action_logps``. ``teacher_logps``:
@@ -417,7 +441,11 @@ def reverse_kl(
     teacher = jax.lax.stop_gradient(jnp.where(scored, teacher_logps, 0.0))
     frozen_student = jax.lax.stop_gradient(student)
     log_ratio = jnp.where(scored, teacher - frozen_student, 0.0)
-    advantages = opd_advantages(log_ratio, weights, order, advantage=advantage)
+    if opd_advantage_values is None:
+        advantages = opd_advantages(log_ratio, weights, order, advantage=advantage)
+    else:
+        _check_shape("opd_advantage_values", opd_advantage_values, shape, "`weights`")
+        advantages = jnp.where(active, jax.lax.stop_gradient(opd_advantage_values), 0.0)
     if extra_advantages is not None:
         extra = jnp.asarray(extra_advantages)
         if extra.ndim == 1:
@@ -693,6 +721,7 @@ _INPUTS = (
     "rewards",
     "group_ids",
     "reference_logps",
+    "opd_advantage_values",
 )
 
 
@@ -823,6 +852,7 @@ class OpdLoss:
                 advantage=self.advantage,
                 ppo_clip=self.ppo_clip,
                 extra_advantages=task,
+                opd_advantage_values=given.get("opd_advantage_values"),
             )
         else:
             terms = self._divergence(weights, given)

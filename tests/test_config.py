@@ -117,15 +117,17 @@ def test_configs_are_frozen():
         config.n_layers = 5  # type: ignore[misc]
 
 
-def test_opd_microbatches_other_than_one_are_refused_by_name(tmp_path):
+def test_opd_microbatches_must_divide_the_rows_and_keep_groups_whole(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(JOB_YAML)
-    with pytest.raises(ConfigError, match=r"^`opd\.optimizer\.microbatches` must be 1 .*3$"):
-        load_config(path, JobConfig, ["opd.optimizer.microbatches=3"])
-    assert load_config(path, JobConfig, ["opd.optimizer.microbatches=1"]).opd.optimizer
-    # Warm-up phases accumulate with global denominators; only OPD refuses.
-    job = load_config(path, JobConfig, ["student_warmup.optimizer.microbatches=3"])
-    assert job.student_warmup.optimizer.microbatches == 3
+    rows = ["data.batch_size=4", "loss.group_size=2"]  # 8 rows per OPD step
+    with pytest.raises(ConfigError, match=r"^`opd\.optimizer\.microbatches` must divide .*3$"):
+        load_config(path, JobConfig, [*rows, "opd.optimizer.microbatches=3"])
+    assert load_config(path, JobConfig, [*rows, "opd.optimizer.microbatches=4"])
+    grpo = [*rows, "loss.task_reward_weight=1.0"]
+    with pytest.raises(ConfigError, match="keep whole groups of loss.group_size=2"):
+        load_config(path, JobConfig, [*grpo, "opd.optimizer.microbatches=8"])
+    assert load_config(path, JobConfig, [*grpo, "opd.optimizer.microbatches=4"])
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])

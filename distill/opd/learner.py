@@ -277,7 +277,12 @@ class OpdLearner:
             group_ids=group_ids,
         )
         metrics = opd_update(
-            self.optimizer, self.student, prepared, self.loss, reference=self.reference
+            self.optimizer,
+            self.student,
+            prepared,
+            self.loss,
+            reference=self.reference,
+            microbatches=self.phase.optimizer.microbatches,
         )
         for name in FINITE_METRICS:
             if name in metrics and not math.isfinite(metrics[name]):

@@ -3,8 +3,11 @@ the frozen reference, when the loss has a reference KL), the configured
 :class:`~distill.losses.OpdLoss` with the trace's ``action_logps`` as behaviour log-probs
 (the importance ratio of a stale rollout), and one optimizer update, all in one ``jax.jit``.
 
-``optimizer.microbatches`` is refused for OPD by the job config: the advantages use
-batch-wide baselines, so row slices would not add up to the whole batch's update.
+``optimizer.microbatches`` splits the rows into slices replayed and differentiated one at
+a time; weighted sums and denominators add up and divide once. The reverse-KL advantages
+use batch-wide baselines, so they are computed first from a forward-only pass over every
+slice; the GRPO task advantages are normalized within prompt groups, which slices keep whole
+(the job config requires it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import optax
 from flax import nnx
 
 from distill.diffusion.replay import CompletionReplay, num_steps_bucket, replay_completion
-from distill.losses import OpdLoss
+from distill.losses import OpdLoss, accumulate, reverse_kl_advantages
 from distill.models.transformer import Transformer
 from distill.opd.batch import PreparedBatch
 
@@ -73,9 +76,20 @@ def _loss_inputs(
     return weights, inputs
 
 
+def _row_slices(tree, batch: int, count: int, index: jax.Array):
+    """Slice ``index`` of ``count`` equal row slices of every ``[batch, ...]`` leaf."""
+
+    def take(leaf):
+        if hasattr(leaf, "shape") and leaf.ndim and leaf.shape[0] == batch:
+            return leaf.reshape(count, batch // count, *leaf.shape[1:])[index]
+        return leaf
+
+    return jax.tree.map(take, tree)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "reference_graphdef", "loss", "num_chunks"),
+    static_argnames=("graphdef", "reference_graphdef", "loss", "num_chunks", "microbatches"),
     donate_argnums=(1,),
 )
 def _opd_step(
@@ -87,37 +101,91 @@ def _opd_step(
     reference_graphdef,
     loss: OpdLoss,
     num_chunks: int,
+    microbatches: int = 1,
 ):
     optimizer, model = nnx.merge(graphdef, state)
     graph, params, rest = nnx.split(model, nnx.Param, ...)
-    trace = prepared.trace
+    batch = prepared.trace.tokens.shape[0]
     # Full kinds need the student's whole distribution; top-k kinds only its log-probs at
     # the teacher's ids (never [B, N, V]); reverse_kl only the actions'.
     distributions = loss.kind != "reverse_kl" and loss.teacher_top_k is None
-    gather_ids = None
-    if loss.kind != "reverse_kl" and loss.teacher_top_k is not None:
-        gather_ids = prepared.teacher_topk_ids
-    reference_logps = None
-    if reference_graphdef is not None:
-        reference = nnx.merge(reference_graphdef, reference_state)
-        reference_logps = jax.lax.stop_gradient(
-            replay_completion(reference, trace, num_chunks=num_chunks).logps
+    topk = loss.kind != "reverse_kl" and loss.teacher_top_k is not None
+
+    def piece(index):
+        return _row_slices(prepared, batch, microbatches, index)
+
+    opd_advantage_values = None
+    if microbatches > 1 and loss.kind == "reverse_kl":
+        # The advantages' baselines are batch-wide: a forward-only pass over every
+        # microbatch gives the live student's log-probs, the advantages are computed once
+        # over the whole batch, and each microbatch's gradient pass uses its slice of them.
+        def forward(index):
+            student = nnx.merge(graph, params, rest)
+            replayed = replay_completion(student, piece(index).trace, num_chunks=num_chunks)
+            return replayed.logps, replayed.slots, replayed.present
+
+        logps, slots, present = jax.lax.map(forward, jnp.arange(microbatches))
+        logps, slots, present = (x.reshape(batch, *x.shape[2:]) for x in (logps, slots, present))
+
+        def gather(values):
+            return jnp.take_along_axis(values, slots, axis=1)
+
+        opd_advantage_values = reverse_kl_advantages(
+            logps,
+            gather(prepared.teacher_logps),
+            jnp.where(present, gather(prepared.weights), 0.0),
+            gather(prepared.trace.positions),
+            advantage=loss.advantage,
         )
 
-    def objective(params):
+    def objective(params, micro: PreparedBatch, micro_advantages):
         student = nnx.merge(graph, params, rest)
+        reference_logps = None
+        if reference_graphdef is not None:
+            reference = nnx.merge(reference_graphdef, reference_state)
+            reference_logps = jax.lax.stop_gradient(
+                replay_completion(reference, micro.trace, num_chunks=num_chunks).logps
+            )
         replayed = replay_completion(
             student,
-            trace,
+            micro.trace,
             num_chunks=num_chunks,
             distributions=distributions,
-            gather_ids=gather_ids,
+            gather_ids=micro.teacher_topk_ids if topk else None,
         )
-        weights, inputs = _loss_inputs(loss, replayed, prepared, reference_logps)
+        weights, inputs = _loss_inputs(loss, replayed, micro, reference_logps)
+        if micro_advantages is not None:
+            inputs["opd_advantage_values"] = micro_advantages
         terms = loss(weights, **inputs)
-        return terms.value(), terms
+        # One microbatch: the ratio; several: the weighted sum, divided once at the end.
+        return (terms.value() if microbatches == 1 else terms.total), terms
 
-    (value, terms), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    gradient = jax.value_and_grad(objective, has_aux=True)
+    if microbatches == 1:
+        (value, terms), grads = gradient(params, prepared, None)
+    else:
+
+        def body(carry, index):
+            grads, terms = carry
+            micro_advantages = None
+            if opd_advantage_values is not None:
+                micro_advantages = _row_slices(opd_advantage_values, batch, microbatches, index)
+            (_, micro_terms), micro_grads = gradient(params, piece(index), micro_advantages)
+            grads = jax.tree.map(jnp.add, grads, micro_grads)
+            return (grads, accumulate(terms, micro_terms)), None
+
+        # The first microbatch fixes the terms' structure; the rest are scanned.
+        first_advantages = None
+        if opd_advantage_values is not None:
+            first_advantages = _row_slices(opd_advantage_values, batch, microbatches, 0)
+        (_, terms), grads = gradient(params, piece(0), first_advantages)
+        (grads, terms), _ = jax.lax.scan(body, (grads, terms), jnp.arange(1, microbatches))
+        denominator = terms.denominator
+        grads = jax.tree.map(
+            lambda g: jnp.where(denominator > 0, g / jnp.maximum(denominator, 1e-30), 0.0),
+            grads,
+        )
+        value = terms.value()
     optimizer.update(model, grads)
     weight = jnp.sum(prepared.weights)
     metrics = {
@@ -139,9 +207,21 @@ def opd_update(
     loss: OpdLoss,
     *,
     reference: Transformer | None = None,
+    microbatches: int = 1,
 ) -> dict[str, float]:
     """One OPD optimizer update of ``model`` (in place) from a prepared batch. ``reference``
-    (a frozen student) is required when ``loss.kl_reference_weight > 0``."""
+    (a frozen student) is required when ``loss.kl_reference_weight > 0``. ``microbatches``
+    row slices are replayed and differentiated one at a time (bounding memory), their
+    weighted sums and denominators added and divided once: the same update as the whole
+    batch, to float32 rounding. The reverse-KL advantages, whose baselines are batch-wide,
+    come from a forward-only pass over every slice first."""
+    batch = prepared.trace.tokens.shape[0]
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"`microbatches` must be an int >= 1; received {microbatches!r}")
+    if batch % microbatches:
+        raise ValueError(
+            f"`microbatches` must divide the batch's {batch} rows; received {microbatches}"
+        )
     if loss.kl_reference_weight > 0 and reference is None:
         raise ValueError("`reference` must be given when loss.kl_reference_weight > 0")
     if loss.kind != "reverse_kl" and prepared.teacher_topk_ids is None:
@@ -169,6 +249,7 @@ def opd_update(
         reference_graphdef=reference_graphdef,
         loss=loss,
         num_chunks=num_steps_bucket(prepared.trace),
+        microbatches=microbatches,
     )
     nnx.update((optimizer, model), state)
     return {name: float(value) for name, value in metrics.items()}
