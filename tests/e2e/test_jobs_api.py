@@ -80,11 +80,17 @@ def cluster():
             assert time.monotonic() < deadline, "the Jobs API did not come up in 180 s"
             time.sleep(1)
     yield address
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
+    # `ray start --block` does not exit on SIGTERM: give it a moment, then kill its group
+    # (the head's GCS, raylet, dashboard and workers all run in it).
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            head.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
     shutil.rmtree(temp, ignore_errors=True)
 
 
