@@ -113,7 +113,7 @@ def _invalid_count(layout: BlockLayout) -> jax.Array:
     return jnp.sum(invalid_weights(layout.loss_weights), dtype=jnp.float32)
 
 
-def _row_slice(tree: Any, batch: int, count: int, index: jax.Array) -> Any:
+def row_slice(tree: Any, batch: int, count: int, index: jax.Array) -> Any:
     """Slice ``index`` of ``count`` equal row slices from every ``[batch, ...]`` leaf; leaves
     without that leading axis (e.g. a scalar schedule) are shared by every slice."""
 
@@ -152,7 +152,7 @@ def accumulated_gradients(
 
     def body(carry, index):
         loss, grads, sums = carry
-        micro = _row_slice((layout, plan, keys), batch, microbatches, index)
+        micro = row_slice((layout, plan, keys), batch, microbatches, index)
         (micro_loss, micro_sums), micro_grads = jax.value_and_grad(loss_of, has_aux=True)(
             params, micro
         )

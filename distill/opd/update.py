@@ -23,6 +23,7 @@ from distill.diffusion.replay import CompletionReplay, num_steps_bucket, replay_
 from distill.losses import OpdLoss, accumulate, reverse_kl_advantages
 from distill.models.transformer import Transformer
 from distill.opd.batch import PreparedBatch
+from distill.train import row_slice
 
 
 def _full_teacher(ids: jax.Array, log_probs: jax.Array, vocab: int) -> jax.Array:
@@ -76,17 +77,6 @@ def _loss_inputs(
     return weights, inputs
 
 
-def _row_slices(tree, batch: int, count: int, index: jax.Array):
-    """Slice ``index`` of ``count`` equal row slices of every ``[batch, ...]`` leaf."""
-
-    def take(leaf):
-        if hasattr(leaf, "shape") and leaf.ndim and leaf.shape[0] == batch:
-            return leaf.reshape(count, batch // count, *leaf.shape[1:])[index]
-        return leaf
-
-    return jax.tree.map(take, tree)
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "reference_graphdef", "loss", "num_chunks", "microbatches"),
@@ -112,7 +102,7 @@ def _opd_step(
     topk = loss.kind != "reverse_kl" and loss.teacher_top_k is not None
 
     def piece(index):
-        return _row_slices(prepared, batch, microbatches, index)
+        return row_slice(prepared, batch, microbatches, index)
 
     opd_advantage_values = None
     if microbatches > 1 and loss.kind == "reverse_kl":
@@ -169,7 +159,7 @@ def _opd_step(
             grads, terms = carry
             micro_advantages = None
             if opd_advantage_values is not None:
-                micro_advantages = _row_slices(opd_advantage_values, batch, microbatches, index)
+                micro_advantages = row_slice(opd_advantage_values, batch, microbatches, index)
             (_, micro_terms), micro_grads = gradient(params, piece(index), micro_advantages)
             grads = jax.tree.map(jnp.add, grads, micro_grads)
             return (grads, accumulate(terms, micro_terms)), None
@@ -177,7 +167,7 @@ def _opd_step(
         # The first microbatch fixes the terms' structure; the rest are scanned.
         first_advantages = None
         if opd_advantage_values is not None:
-            first_advantages = _row_slices(opd_advantage_values, batch, microbatches, 0)
+            first_advantages = row_slice(opd_advantage_values, batch, microbatches, 0)
         (_, terms), grads = gradient(params, piece(0), first_advantages)
         (grads, terms), _ = jax.lax.scan(body, (grads, terms), jnp.arange(1, microbatches))
         denominator = terms.denominator

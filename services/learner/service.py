@@ -199,6 +199,7 @@ class LearnerRuntime:
         self._server_config = server_config or ServerConfig()
         self._server: RunningServer | None = None
         self._done = threading.Event()
+        self._written_evaluations = 0  # evaluations already in the TensorBoard files
 
     @property
     def address(self) -> str:
@@ -296,8 +297,7 @@ class LearnerRuntime:
     def _write_evaluations(self, writer) -> None:
         if writer is None:
             return
-        written = getattr(self, "_written_evaluations", 0)
-        for at, report in self.learner.reports[written:]:
+        for at, report in self.learner.reports[self._written_evaluations :]:
             writer.add_scalar("eval/exact_match", report.overall, at)
             writer.add_scalar("eval/tokens_per_forward", report.tokens_per_forward, at)
             if report.agree_entropy_bits is not None:
