@@ -93,17 +93,27 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(self._open_prefixes):
             return handler
-        received = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                received = value.encode() if isinstance(value, str) else value
-                break
-        if received is not None and hmac.compare_digest(received, self._expected):
-            return handler
-        reason = "`authorization` metadata must be 'Bearer <token>' with the server's token; " + (
-            "received none" if received is None else "received a different token"
-        )
-        return _deny(handler, reason)
+        reason = check_bearer(handler_call_details.invocation_metadata, self._expected)
+        return handler if reason is None else _deny(handler, reason)
+
+
+def check_bearer(metadata, expected: bytes) -> str | None:
+    """None when ``metadata`` (gRPC invocation metadata) carries ``authorization: <expected>``
+    (``expected`` = ``b"Bearer <token>"``; the scheme is matched case-insensitively, the
+    token in constant time), else the reason to answer ``UNAUTHENTICATED`` with."""
+    received = None
+    for key, value in metadata or ():
+        if key == "authorization":
+            received = value.encode() if isinstance(value, str) else value
+            break
+    if received is not None:
+        scheme, _, token = received.partition(b" ")
+        want_scheme, _, want_token = expected.partition(b" ")
+        if scheme.lower() == want_scheme.lower() and hmac.compare_digest(token, want_token):
+            return None
+    return "`authorization` metadata must be 'Bearer <token>' with the server's token; " + (
+        "received none" if received is None else "received a different token"
+    )
 
 
 def _deny(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:

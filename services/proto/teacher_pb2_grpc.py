@@ -39,6 +39,11 @@ class TeacherServiceStub:
                 request_serializer=services_dot_proto_dot_teacher__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=services_dot_proto_dot_teacher__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.ScoreText = channel.unary_unary(
+                '/distill.v1.TeacherService/ScoreText',
+                request_serializer=services_dot_proto_dot_teacher__pb2.ScoreTextRequest.SerializeToString,
+                response_deserializer=services_dot_proto_dot_teacher__pb2.ScoreTextResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/distill.v1.TeacherService/Info',
                 request_serializer=services_dot_proto_dot_teacher__pb2.InfoRequest.SerializeToString,
@@ -50,7 +55,18 @@ class TeacherServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Score(self, request, context):
-        """Per-position log-probabilities of each actual next token (+ optional top-k).
+        """Per-position log-probabilities of each actual next token, plus on request the
+        teacher's top-k and the log-probs at ids the caller chooses per position; optionally
+        many continuations of one shared prompt (prefilled once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScoreText(self, request, context):
+        """Cross-tokenizer scoring: texts in, the teacher tokenizes them itself and answers the
+        log-prob of each of its completion tokens with the token's end byte offset, so a
+        learner with another tokenizer can map them onto its own tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,6 +86,11 @@ def add_TeacherServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=services_dot_proto_dot_teacher__pb2.ScoreRequest.FromString,
                     response_serializer=services_dot_proto_dot_teacher__pb2.ScoreResponse.SerializeToString,
+            ),
+            'ScoreText': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreText,
+                    request_deserializer=services_dot_proto_dot_teacher__pb2.ScoreTextRequest.FromString,
+                    response_serializer=services_dot_proto_dot_teacher__pb2.ScoreTextResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -104,6 +125,33 @@ class TeacherService:
             '/distill.v1.TeacherService/Score',
             services_dot_proto_dot_teacher__pb2.ScoreRequest.SerializeToString,
             services_dot_proto_dot_teacher__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreText(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distill.v1.TeacherService/ScoreText',
+            services_dot_proto_dot_teacher__pb2.ScoreTextRequest.SerializeToString,
+            services_dot_proto_dot_teacher__pb2.ScoreTextResponse.FromString,
             options,
             channel_credentials,
             insecure,

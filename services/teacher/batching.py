@@ -1,11 +1,12 @@
 """Dynamic batching: many concurrent requests, one scoring call per batch.
 
-Callers :meth:`DynamicBatcher.submit` a request (some sequences and a ``top_k``) and get a
-future. One worker thread forms batches: it takes the oldest queued request, waits at most
-``max_delay_s`` from that request's arrival for more work with the same ``top_k`` (leaving
-earlier once a batch is full), then packs queued sequences with that ``top_k`` in arrival
-order into one ``score`` call, and hands each request back exactly its own results, in its
-own order.
+Callers :meth:`DynamicBatcher.submit` a request (some items, e.g. sequences, and a hashable
+``key`` saying how to score them, e.g. a ``top_k``) and get a future. One worker thread forms
+batches: it takes the oldest queued request, waits at most ``max_delay_s`` from that
+request's arrival for more work with the same ``key`` (leaving earlier once a batch is full),
+then packs queued items with that ``key`` in arrival order into one ``score(items, key)``
+call, and hands each request back exactly its own results, in its own order. An item's
+padded width is ``length(item)`` (``len`` by default).
 
 Contracts:
 
@@ -13,10 +14,11 @@ Contracts:
   ``max_batch_tokens`` (the padded size of the call), rows counted after bucketing; a single
   sequence longer than that goes alone. A request larger than a batch is split across
   consecutive batches; its future resolves when all of its sequences are scored.
-* Requests with different ``top_k`` never share a batch (the call has one ``top_k``).
+* Requests with different keys never share a batch (the call has one key).
 * ``bucket_rows``: the row count is padded up to a power of two (capped at
-  ``max_batch_sequences``) with ``filler`` rows whose results are dropped, so a jitted scorer
-  compiles once per bucket instead of once per row count.
+  ``max_batch_sequences``) with ``filler`` rows (an item, or ``filler(key)`` when callable)
+  whose results are dropped, so a jitted scorer compiles once per bucket instead of once per
+  row count.
 * At most ``max_queue_requests`` requests wait (not yet fully in a batch); ``submit`` raises
   :class:`QueueFull` beyond that, so overload is refused early instead of growing latency.
 * A cancelled future's sequences that are not yet in a batch are dropped. A failing
@@ -29,9 +31,9 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from services.common.status import Unavailable
 
@@ -49,8 +51,8 @@ class BatcherStopped(Unavailable):
 
 @dataclasses.dataclass(eq=False)
 class _Request:
-    sequences: Sequence[Sequence[int]]
-    top_k: int | None
+    sequences: Sequence[Any]
+    top_k: Hashable
     arrival: float
     future: Future
     results: list
@@ -62,13 +64,14 @@ class _Request:
 class BatcherStats:
     """Counters since start: ``requests`` submitted, ``batches`` scored, ``sequences`` scored
     (real rows), ``rows`` (including filler rows), ``largest_batch_requests`` (most distinct
-    requests that shared one batch)."""
+    requests that shared one batch), ``queued`` (requests waiting now)."""
 
     requests: int
     batches: int
     sequences: int
     rows: int
     largest_batch_requests: int
+    queued: int = 0
 
 
 def _pow2_at_least(n: int) -> int:
@@ -81,15 +84,17 @@ class DynamicBatcher(Generic[Result]):
 
     def __init__(
         self,
-        score: Callable[[list[Sequence[int]], int | None], list[Result]],
+        score: Callable[[list[Any], Hashable], list[Result]],
         *,
         max_batch_sequences: int,
         max_batch_tokens: int,
         max_delay_s: float,
         max_queue_requests: int,
         bucket_rows: bool = True,
-        filler: Sequence[int] = (0, 0),
+        filler: Any = (0, 0),
+        length: Callable[[Any], int] = len,
         name: str = "batcher",
+        on_batch: Callable[[int, int, Sequence[Any]], None] | None = None,
     ):
         self._score = score
         self.max_batch_sequences = max_batch_sequences
@@ -97,7 +102,9 @@ class DynamicBatcher(Generic[Result]):
         self.max_delay_s = max_delay_s
         self.max_queue_requests = max_queue_requests
         self.bucket_rows = bucket_rows
-        self._filler = list(filler)
+        self._filler = filler
+        self._length = length
+        self._on_batch = on_batch
         self._queue: collections.deque[_Request] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -107,8 +114,9 @@ class DynamicBatcher(Generic[Result]):
 
     # ---- callers ---------------------------------------------------------------------------
 
-    def submit(self, sequences: Sequence[Sequence[int]], top_k: int | None) -> Future:
-        """Queue a request; the future resolves to its results (one per sequence, in order).
+    def submit(self, sequences: Sequence[Any], top_k: Hashable) -> Future:
+        """Queue a request of items scored with key ``top_k``; the future resolves to its
+        results (one per item, in order).
         Raises :class:`QueueFull` when ``max_queue_requests`` requests already wait."""
         if not sequences:
             raise ValueError("`sequences` must hold at least one sequence; received 0")
@@ -130,7 +138,7 @@ class DynamicBatcher(Generic[Result]):
 
     def stats(self) -> BatcherStats:
         with self._cond:
-            return BatcherStats(**self._counts)
+            return BatcherStats(**self._counts, queued=len(self._queue))
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Score what is already queued (no more waiting for company), then end the worker;
@@ -152,7 +160,7 @@ class DynamicBatcher(Generic[Result]):
             rows <= self.max_batch_sequences and self._rows(rows) * width <= self.max_batch_tokens
         )
 
-    def _plan(self, top_k: int | None) -> tuple[list[tuple[_Request, int]], bool]:
+    def _plan(self, top_k: Hashable) -> tuple[list[tuple[_Request, int]], bool]:
         """The (request, index) rows the next batch with ``top_k`` would take, in arrival
         order, and whether a limit stopped it (the batch is full). Caller holds the lock."""
         rows: list[tuple[_Request, int]] = []
@@ -161,7 +169,7 @@ class DynamicBatcher(Generic[Result]):
             if request.top_k != top_k or request.future.cancelled():
                 continue
             for index in range(request.taken, len(request.sequences)):
-                length = len(request.sequences[index])
+                length = self._length(request.sequences[index])
                 new_width = max(width, length)
                 if rows and not self._fits(len(rows) + 1, new_width):
                     return rows, True
@@ -169,7 +177,7 @@ class DynamicBatcher(Generic[Result]):
                 width = new_width
         return rows, len(rows) >= self.max_batch_sequences
 
-    def _next_batch(self) -> tuple[list[tuple[_Request, int]], int | None] | None:
+    def _next_batch(self) -> tuple[list[tuple[_Request, int]], Hashable] | None:
         """Wait for work and take one batch from the queue; None when stopping and empty."""
         with self._cond:
             while True:
@@ -200,10 +208,11 @@ class DynamicBatcher(Generic[Result]):
             if rows:
                 self._score_batch(rows, top_k)
 
-    def _score_batch(self, rows: list[tuple[_Request, int]], top_k: int | None) -> None:
+    def _score_batch(self, rows: list[tuple[_Request, int]], top_k: Hashable) -> None:
         sequences = [request.sequences[index] for request, index in rows]
         padded = self._rows(len(sequences))
-        sequences += [self._filler] * (padded - len(sequences))
+        filler = self._filler(top_k) if callable(self._filler) else list(self._filler)
+        sequences += [filler] * (padded - len(sequences))
         try:
             results = self._score(sequences, top_k)
             if len(results) != len(sequences):
@@ -225,6 +234,8 @@ class DynamicBatcher(Generic[Result]):
             self._fail_batch(rows, padded, error)
             return
         self._count_batch(rows, padded, failed=False)
+        if self._on_batch is not None:
+            self._on_batch(len(rows), padded, sequences[: len(rows)])
         for (request, index), result in zip(rows, results, strict=False):
             request.results[index] = result
             request.scored += 1

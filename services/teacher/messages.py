@@ -8,10 +8,15 @@ arrive bit-identical to what the teacher returned.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from distill.teacher_contract import ScoredSequence, TeacherInfo
 from services.proto import teacher_pb2
+
+# TeacherInfo grew `tokenizer_kind`; older copies of the contract lack it.
+_HAS_KIND = "tokenizer_kind" in {field.name for field in dataclasses.fields(TeacherInfo)}
 
 
 def info_to_proto(info: TeacherInfo) -> teacher_pb2.InfoResponse:
@@ -24,6 +29,7 @@ def info_to_proto(info: TeacherInfo) -> teacher_pb2.InfoResponse:
         tokenizer_hash=info.tokenizer_hash,
         model_hash=info.model_hash,
         max_length=info.max_length,
+        tokenizer_kind=info.tokenizer_kind,
     )
 
 
@@ -37,10 +43,23 @@ def info_from_proto(message: teacher_pb2.InfoResponse) -> TeacherInfo:
         tokenizer_hash=message.tokenizer_hash,
         model_hash=message.model_hash,
         max_length=message.max_length,
+        tokenizer_kind=message.tokenizer_kind or "unknown",
     )
 
 
-def scored_to_proto(scored: ScoredSequence, length: int, top_k: int) -> teacher_pb2.SequenceScores:
+def _check_shape(scored: ScoredSequence, field: str, shape: tuple[int, int]) -> np.ndarray:
+    value = getattr(scored, field, None)
+    if value is None or np.shape(value) != shape:
+        raise ValueError(
+            f"`{field}` must have shape {shape}; received "
+            f"{None if value is None else np.shape(value)}"
+        )
+    return np.asarray(value)
+
+
+def scored_to_proto(
+    scored: ScoredSequence, length: int, top_k: int, candidates: int = 0
+) -> teacher_pb2.SequenceScores:
     """The scores of one ``length``-id sequence; raises ``ValueError`` naming the field when
     the teacher returned the wrong shape (a server bug, not the caller's)."""
     positions = length - 1
@@ -49,20 +68,27 @@ def scored_to_proto(scored: ScoredSequence, length: int, top_k: int) -> teacher_
         raise ValueError(f"`log_probs` must have shape ({positions},); received {log_probs.shape}")
     message = teacher_pb2.SequenceScores(log_probs=log_probs.tolist())
     if top_k:
-        for field in ("top_ids", "top_log_probs"):
-            value = getattr(scored, field)
-            if value is None or np.shape(value) != (positions, top_k):
-                raise ValueError(
-                    f"`{field}` must have shape ({positions}, {top_k}); received "
-                    f"{None if value is None else np.shape(value)}"
-                )
-        message.top_ids.extend(np.asarray(scored.top_ids, np.int32).ravel().tolist())
-        message.top_log_probs.extend(np.asarray(scored.top_log_probs, np.float32).ravel().tolist())
+        top_ids = _check_shape(scored, "top_ids", (positions, top_k))
+        top_log_probs = _check_shape(scored, "top_log_probs", (positions, top_k))
+        message.top_ids.extend(top_ids.astype(np.int32).ravel().tolist())
+        message.top_log_probs.extend(top_log_probs.astype(np.float32).ravel().tolist())
+    if candidates:
+        chosen = _check_shape(scored, "candidate_log_probs", (positions, candidates))
+        message.candidate_log_probs.extend(chosen.astype(np.float32).ravel().tolist())
     return message
 
 
+def _reshaped(message, field: str, positions: int, width: int, dtype) -> np.ndarray:
+    value = np.array(getattr(message, field), dtype)
+    if value.size != positions * width:
+        raise ValueError(
+            f"`{field}` must hold {positions} x {width} entries; received {value.size}"
+        )
+    return value.reshape(positions, width)
+
+
 def scored_from_proto(
-    message: teacher_pb2.SequenceScores, length: int, top_k: int
+    message: teacher_pb2.SequenceScores, length: int, top_k: int, candidates: int = 0
 ) -> ScoredSequence:
     """A :class:`ScoredSequence` of a ``length``-id sequence; raises ``ValueError`` naming
     the field when the server answered with the wrong number of entries."""
@@ -70,17 +96,12 @@ def scored_from_proto(
     log_probs = np.array(message.log_probs, np.float32)
     if log_probs.shape != (positions,):
         raise ValueError(f"`log_probs` must hold {positions} entries; received {log_probs.size}")
-    if not top_k:
-        return ScoredSequence(log_probs=log_probs)
-    top_ids = np.array(message.top_ids, np.int32)
-    top_log_probs = np.array(message.top_log_probs, np.float32)
-    for field, value in (("top_ids", top_ids), ("top_log_probs", top_log_probs)):
-        if value.size != positions * top_k:
-            raise ValueError(
-                f"`{field}` must hold {positions} x {top_k} entries; received {value.size}"
-            )
-    return ScoredSequence(
-        log_probs=log_probs,
-        top_ids=top_ids.reshape(positions, top_k),
-        top_log_probs=top_log_probs.reshape(positions, top_k),
-    )
+    fields: dict[str, np.ndarray] = {}
+    if top_k:
+        fields["top_ids"] = _reshaped(message, "top_ids", positions, top_k, np.int32)
+        fields["top_log_probs"] = _reshaped(message, "top_log_probs", positions, top_k, np.float32)
+    if candidates:
+        fields["candidate_log_probs"] = _reshaped(
+            message, "candidate_log_probs", positions, candidates, np.float32
+        )
+    return ScoredSequence(log_probs=log_probs, **fields)
