@@ -359,7 +359,26 @@ class JobConfig(_Config):
     # pairs with the shifted + seed_and_mask contract, whose causal head it keeps).
     student_init: StudentInit = "scratch"
     tokenizer: dict[str, Any] = Field(default_factory=lambda: {"kind": "char"})
+    # The teacher's own tokenizer, when it differs from the student's (same spec format as
+    # `tokenizer`; None: the teacher uses the job's tokenizer). The teacher then scores text
+    # and its log-probs are mapped onto the student's tokens by byte offsets
+    # (distill/cross_tokenizer.py): only reverse_kl with a sequence-level advantage applies.
+    teacher_tokenizer: dict[str, Any] | None = None
+    # The student's vocabulary is the teacher's plus one appended mask token (a student
+    # initialized from a pretrained checkpoint: distill.models.hf / gguf.init_student, see
+    # docs/models.md): student.vocab_size must then be teacher.vocab_size + 1.
+    mask_appended: bool = False
     seed: int = Field(default=0, ge=0)
+
+    def _check_teacher_tokenizer(self) -> None:
+        """A teacher tokenizer spec names a known kind, and the loss works across
+        tokenizers (the full spec is checked when the tokenizer is built: distill/job.py)."""
+        kind = self.teacher_tokenizer.get("kind")
+        if kind not in ("char", "hf"):
+            raise _field_error("teacher_tokenizer.kind", "be one of 'char', 'hf'", kind)
+        from distill.cross_tokenizer import check_cross_tokenizer_loss
+
+        check_cross_tokenizer_loss(self.loss.kind, self.loss.advantage, self.loss.teacher_top_k)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -401,6 +420,13 @@ class JobConfig(_Config):
                 "nothing is ever corrupted)",
                 self.student.block_size,
             )
+        if self.student_init == "teacher" and self.teacher_tokenizer is not None:
+            raise _field_error(
+                "student_init",
+                "be 'scratch' when teacher_tokenizer is set (the teacher's vocabulary is not "
+                "the student's)",
+                self.student_init,
+            )
         if self.student_init == "teacher":
             same = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim")
             for field in same:
@@ -411,10 +437,14 @@ class JobConfig(_Config):
                         "student_init is 'teacher'",
                         getattr(self.student, field),
                     )
-        if self.student.vocab_size != self.teacher.vocab_size:
+        if self.teacher_tokenizer is not None:
+            self._check_teacher_tokenizer()
+        elif self.student.vocab_size != self.teacher.vocab_size + self.mask_appended:
+            wanted = self.teacher.vocab_size + self.mask_appended
+            appended = " (teacher.vocab_size + 1: mask_appended)" if self.mask_appended else ""
             raise _field_error(
                 "student.vocab_size",
-                f"equal teacher.vocab_size={self.teacher.vocab_size}",
+                f"equal {wanted}{appended}" if appended else f"equal teacher.vocab_size={wanted}",
                 self.student.vocab_size,
             )
         return self

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from distill.config import JobConfig, PhaseConfig
 from distill.data.stream import TaskStream
 from distill.data.tasks import answer_horizon
-from distill.tokenizer import Tokenizer, tokenizer_from_spec
+from distill.tokenizer import Tokenizer, TokenizerError, tokenizer_from_spec
 
 if TYPE_CHECKING:
     from distill.diffusion.denoise import SamplingSettings
@@ -24,15 +24,46 @@ PHASES = ("teacher_training", "student_warmup", "opd")
 
 
 def job_tokenizer(job: JobConfig) -> Tokenizer:
-    """The job's tokenizer; its vocabulary must match both models'."""
+    """The job's (the student's) tokenizer; its vocabulary must match the student's, and the
+    teacher's too unless the job sets ``teacher_tokenizer``."""
     tokenizer = tokenizer_from_spec(job.tokenizer)
-    for role in ("teacher", "student"):
+    roles = ("student",) if job.teacher_tokenizer is not None else ("teacher", "student")
+    for role in roles:
         size = getattr(job, role).vocab_size
-        if size != tokenizer.vocab_size:
+        if role == "teacher" and job.mask_appended:
+            # The teacher has one row fewer: the student's appended mask token.
+            if size != tokenizer.vocab_size - 1:
+                raise ValueError(
+                    f"`teacher.vocab_size` must equal the tokenizer's {tokenizer.vocab_size} "
+                    f"- 1 (mask_appended); received {size}"
+                )
+        elif size != tokenizer.vocab_size:
             raise ValueError(
                 f"`{role}.vocab_size` must equal the tokenizer's {tokenizer.vocab_size}; "
                 f"received {size}"
             )
+    return tokenizer
+
+
+def job_teacher_tokenizer(job: JobConfig) -> Tokenizer:
+    """The teacher's tokenizer: ``teacher_tokenizer`` when set (errors name
+    `teacher_tokenizer.<key>`), else the job's; its vocabulary must match the teacher's
+    (or be one larger, when it appended a mask token the model does not have)."""
+    if job.teacher_tokenizer is None:
+        return job_tokenizer(job)
+    try:
+        tokenizer = tokenizer_from_spec(job.teacher_tokenizer)
+    except TokenizerError as error:
+        message = str(error)
+        if message.startswith("`tokenizer"):
+            raise TokenizerError(f"`teacher_{message[1:]}") from error
+        raise
+    size, mask = job.teacher.vocab_size, tokenizer.special.mask_id
+    if size != tokenizer.vocab_size and not (tokenizer.vocab_size == size + 1 == mask + 1):
+        raise ValueError(
+            f"`teacher.vocab_size` must equal the teacher tokenizer's {tokenizer.vocab_size}; "
+            f"received {size}"
+        )
     return tokenizer
 
 
@@ -112,6 +143,8 @@ def phase_contract(
             # The run's saved evaluations are one curve: resuming must not change its set.
             "eval_examples": (phase_config or job.opd).eval_examples,
         }
+        if job.teacher_tokenizer is not None:
+            contract["teacher_tokenizer"] = dict(job.teacher_tokenizer)
     return contract
 
 

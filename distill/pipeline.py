@@ -21,12 +21,19 @@ from flax import nnx
 
 from distill.checkpoint import RunCheckpointer, extend_ledger, restored_ledger
 from distill.config import JobConfig, PhaseConfig
+from distill.cross_tokenizer import CrossTokenizerTeacher
 from distill.data.stream import TaskStream
 from distill.diffusion.objectives import CausalLM, Objective
 from distill.evaluate import EvalReport, evaluate_student, evaluate_teacher
-from distill.job import JobPlan, completion_length, job_tokenizer, phase_contract
+from distill.job import (
+    JobPlan,
+    completion_length,
+    job_teacher_tokenizer,
+    job_tokenizer,
+    phase_contract,
+)
 from distill.models.transformer import Transformer
-from distill.teacher import model_hash
+from distill.teacher import InProcessTeacher, Teacher, model_hash
 from distill.tokenizer import Tokenizer
 from distill.train import Trainer, TrainingObjective, fit, make_train_state
 
@@ -115,7 +122,7 @@ def train_teacher(
     """Train (or resume) the causal teacher with next-token CE; evaluate when complete.
     ``stop_after`` ends early at that step (a checkpoint is still written), for tests."""
     run_dir = Path(run_dir)
-    tokenizer = job_tokenizer(job)
+    tokenizer = job_teacher_tokenizer(job)
     model = Transformer(job.teacher, rngs=nnx.Rngs(job.seed))
     _train_phase(
         run_dir,
@@ -140,7 +147,7 @@ def train_teacher(
 
 def load_teacher_run(job: JobConfig, run_dir: str | Path) -> Transformer:
     """The trained teacher of a finished teacher-training run of this job."""
-    tokenizer = job_tokenizer(job)
+    tokenizer = job_teacher_tokenizer(job)
     model = Transformer(job.teacher, rngs=nnx.Rngs(job.seed))
     optimizer = phase_train_state(model, job.teacher_training)
     checkpointer = RunCheckpointer.open(run_dir, phase_contract(job, tokenizer, "teacher_training"))
@@ -152,6 +159,17 @@ def load_teacher_run(job: JobConfig, run_dir: str | Path) -> Transformer:
             f"{run_dir} has {None if restored is None else restored.step}"
         )
     return model
+
+
+def in_process_teacher(job: JobConfig, model: Transformer) -> Teacher:
+    """The job's teacher in this process: ``model`` with the teacher's tokenizer, wrapped to
+    score text (:class:`~distill.cross_tokenizer.CrossTokenizerTeacher`) when the job sets
+    ``teacher_tokenizer``."""
+    tokenizer = job_teacher_tokenizer(job)
+    teacher = InProcessTeacher(model, tokenizer)
+    if job.teacher_tokenizer is None:
+        return teacher
+    return CrossTokenizerTeacher(teacher, tokenizer)
 
 
 def load_student_run(

@@ -228,6 +228,9 @@ class CharTokenizer:
     ``skip_special=False``.
     """
 
+    #: What :class:`~distill.teacher_contract.TeacherInfo` reports as ``tokenizer_kind``.
+    kind: typing.ClassVar[str] = "char"
+
     def __init__(
         self, alphabet: str = DEFAULT_ALPHABET, *, stop_tokens: Sequence[str] = ("<eos>",)
     ) -> None:
@@ -357,6 +360,9 @@ class HFTokenizer:
     ``content_hash`` covers the library's serialization re-dumped with sorted keys plus the
     special ids; it changes if the ``tokenizers`` library changes its serialization format.
     """
+
+    #: What :class:`~distill.teacher_contract.TeacherInfo` reports as ``tokenizer_kind``.
+    kind: typing.ClassVar[str] = "hf"
 
     def __init__(
         self,
@@ -510,6 +516,12 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         """``get_vocab_size(with_added_tokens=True)`` (after a mask token was appended)."""
         return self._vocab_size
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped ``tokenizers.Tokenizer`` (read it, never mutate it: the special ids
+        and the content hash describe it as built)."""
+        return self._tok
 
     @property
     def special(self) -> SpecialIds:

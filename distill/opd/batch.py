@@ -6,7 +6,9 @@ zeroed and counted), the teacher's log-prob of every generated token and, for th
 distribution losses, its top-k ids / log-probs (the whole vocabulary for the full kinds),
 scored on the prompt + completion through the first stop only (nothing after the stop is
 seen); task rewards and group ids for GRPO. The teacher signal is always computed here, at
-learner time, never by the rollout.
+learner time, never by the rollout. A teacher with another tokenizer scores each row's
+text instead, mapped back onto the student's tokens by byte offsets
+(:mod:`distill.cross_tokenizer`; rows that cannot be detokenized exactly are refused).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distill.cross_tokenizer import TextTeacher, score_completions
 from distill.data.tasks import Example, verify
 from distill.diffusion.denoise import Trace
 from distill.evaluate import completion_text
@@ -37,7 +40,9 @@ class PreparedBatch:
     Optional: ``teacher_topk_ids`` int32 / ``teacher_topk_logps`` float32 ``[B, L, k]`` (the
     teacher's top-k at each weighted token, 0 elsewhere; k = the teacher's vocabulary for
     the full-vocabulary kinds); ``rewards`` float32 / ``group_ids`` int32 ``[B]`` (task
-    reward of each row and its prompt group, for GRPO)."""
+    reward of each row and its prompt group, for GRPO); ``refused_rows`` ``[B]`` bool (a
+    cross-tokenizer batch: rows refused because their completion could not be detokenized
+    and scored exactly; also flagged in ``invalid_rows``)."""
 
     trace: Trace
     weights: jax.Array
@@ -48,6 +53,7 @@ class PreparedBatch:
     teacher_topk_logps: jax.Array | None = None
     rewards: jax.Array | None = None
     group_ids: jax.Array | None = None
+    refused_rows: jax.Array | None = None
 
 
 def teacher_sequences(trace: Trace, visible: np.ndarray) -> list[list[int]]:
@@ -59,6 +65,48 @@ def teacher_sequences(trace: Trace, visible: np.ndarray) -> list[list[int]]:
         slots = np.flatnonzero(visible[row])
         out.append(tokens[row, slots[np.argsort(positions[row, slots])]].tolist())
     return out
+
+
+def row_ids(trace: Trace, visible: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's teacher-visible prompt ids and completion ids (through the first stop), in
+    logical order."""
+    tokens, positions = np.asarray(trace.tokens), np.asarray(trace.positions)
+    completion = np.asarray(trace.completion_mask, bool)
+    prompts, completions = [], []
+    for row in range(tokens.shape[0]):
+        slots = np.flatnonzero(visible[row])
+        slots = slots[np.argsort(positions[row, slots])]
+        prompts.append(tokens[row, slots[~completion[row, slots]]].tolist())
+        completions.append(tokens[row, slots[completion[row, slots]]].tolist())
+    return prompts, completions
+
+
+def _cross_tokenizer_logps(
+    trace: Trace, weights: np.ndarray, visible: np.ndarray, teacher: TextTeacher, tokenizer
+) -> tuple[np.ndarray, np.ndarray]:
+    """``teacher_logps`` ``[B, L]`` from a text-scoring teacher, mapped onto the weighted
+    completion slots (which are the visible completion slots, in logical order), and the
+    ``[B]`` rows refused (:func:`~distill.cross_tokenizer.score_completions`)."""
+    batch = weights.shape[0]
+    teacher_logps = np.zeros(weights.shape, np.float32)
+    refused = np.zeros(batch, bool)
+    rows = [row for row in range(batch) if weights[row].sum() > 0]
+    if not rows:
+        return teacher_logps, refused
+    prompts, completions = row_ids(trace, visible)
+    mapped = score_completions(
+        teacher, tokenizer, [prompts[row] for row in rows], [completions[row] for row in rows]
+    )
+    positions = np.asarray(trace.positions)
+    completion = np.asarray(trace.completion_mask, bool)
+    for row, result in zip(rows, mapped, strict=True):
+        if result.log_probs is None:
+            refused[row] = True
+            continue
+        slots = np.flatnonzero(visible[row] & completion[row])
+        slots = slots[np.argsort(positions[row, slots])]
+        teacher_logps[row, slots] = result.log_probs
+    return teacher_logps, refused
 
 
 def teacher_top_k(loss: OpdLoss, info: TeacherInfo) -> int | None:
@@ -95,9 +143,16 @@ def prepare_batch(
     top_k: int | None = None,
     rewards: Sequence[float] | None = None,
     group_ids: Sequence[int] | None = None,
+    cross_tokenizer: bool = False,
 ) -> PreparedBatch:
     """Weights and teacher scores for a trace (``top_k``: also the teacher's top-k entries
-    per token); a non-finite teacher log-prob on a weighted token is an error."""
+    per token); a non-finite teacher log-prob on a weighted token is an error.
+
+    ``cross_tokenizer``: the teacher has another tokenizer and scores text (a
+    :class:`~distill.cross_tokenizer.TextTeacher`): each row's prompt and completion are
+    detokenized with ``tokenizer``, scored as text and mapped back onto the completion
+    tokens by byte offsets; a row that cannot be detokenized (or scored) exactly gets weight
+    0 and is flagged in ``invalid_rows`` and ``refused_rows``. No top-k then."""
     weights, visible, invalid = opd_weights(
         trace.tokens,
         trace.completion_mask,
@@ -105,8 +160,28 @@ def prepare_batch(
         trace.segment_ids,
         stop_ids=tokenizer.special.stop_ids,
     )
-    weights, visible = np.asarray(weights), np.asarray(visible)
+    weights, visible = np.array(weights), np.asarray(visible)
     batch, length = weights.shape
+    if cross_tokenizer:
+        if top_k is not None:
+            raise ValueError(
+                "`top_k` must be None when the teacher's tokenizer differs from the student's; "
+                f"received {top_k}"
+            )
+        teacher_logps, refused = _cross_tokenizer_logps(trace, weights, visible, teacher, tokenizer)
+        weights[refused] = 0.0
+        invalid = np.asarray(invalid) | refused
+        _check_finite(weights, teacher_logps)
+        return PreparedBatch(
+            trace=trace,
+            weights=jnp.asarray(weights, jnp.float32),
+            teacher_logps=jnp.asarray(np.where(weights > 0, teacher_logps, 0.0), jnp.float32),
+            invalid_rows=jnp.asarray(invalid),
+            policy_version=jnp.int32(policy_version),
+            rewards=_optional_rows("rewards", rewards, batch, np.float32),
+            group_ids=_optional_rows("group_ids", group_ids, batch, np.int32),
+            refused_rows=jnp.asarray(refused),
+        )
     positions = np.asarray(trace.positions)
     teacher_logps = np.zeros(weights.shape, np.float32)
     topk_ids = np.zeros((batch, length, top_k or 0), np.int32)
@@ -123,10 +198,7 @@ def prepare_batch(
         if top_k is not None:
             topk_ids[row, slots] = result.top_ids[entries]
             topk_logps[row, slots] = result.top_log_probs[entries]
-    bad = (weights > 0) & ~np.isfinite(teacher_logps)
-    if bad.any():
-        row = int(np.argwhere(bad)[0][0])
-        raise ValueError(f"`teacher_logps` must be finite on weighted tokens; row {row} is not")
+    _check_finite(weights, teacher_logps)
     # Top-k log-probs may be -inf (zero mass) but never NaN or +inf on a weighted token.
     bad_topk = (weights > 0) & (np.isnan(topk_logps) | (topk_logps == np.inf)).any(axis=-1)
     if bad_topk.any():
@@ -149,6 +221,13 @@ def prepare_batch(
         rewards=_optional_rows("rewards", rewards, batch, np.float32),
         group_ids=_optional_rows("group_ids", group_ids, batch, np.int32),
     )
+
+
+def _check_finite(weights: np.ndarray, teacher_logps: np.ndarray) -> None:
+    bad = (weights > 0) & ~np.isfinite(teacher_logps)
+    if bad.any():
+        row = int(np.argwhere(bad)[0][0])
+        raise ValueError(f"`teacher_logps` must be finite on weighted tokens; row {row} is not")
 
 
 def task_rewards(examples: Sequence[Example], trace: Trace, tokenizer: Tokenizer) -> list[float]:

@@ -34,6 +34,7 @@ from flax import nnx
 
 from distill.checkpoint import RunCheckpointer, extend_ledger, restored_ledger
 from distill.config import JobConfig, PhaseConfig
+from distill.cross_tokenizer import check_cross_tokenizer_loss
 from distill.data.stream import TaskStream, encode_example
 from distill.data.tasks import Example
 from distill.diffusion.denoise import SamplingSettings, rollout
@@ -45,7 +46,7 @@ from distill.opd.batch import prepare_batch, task_rewards, teacher_top_k
 from distill.opd.records import RolloutBatch, merge_batches, save_batch
 from distill.opd.update import frozen_copy, opd_update
 from distill.pipeline import phase_train_state
-from distill.teacher import Teacher, check_compatible, model_hash
+from distill.teacher import CompatibilityError, Teacher, check_compatible, model_hash
 from distill.tokenizer import Tokenizer
 
 Log = Callable[[str], None]
@@ -84,7 +85,11 @@ class OpdLearner:
     """OPD training state of one run (see module docstring).
 
     ``teacher`` must be compatible with the student (vocabulary, special ids, tokenizer
-    hash; checked here). With ``run_dir`` the phase is resumable: the run contract holds the
+    hash; checked here), or, when the job sets ``teacher_tokenizer`` and the teacher's
+    tokenizer hash differs from the student's, score text (a
+    :class:`~distill.cross_tokenizer.TextTeacher`): each row is then detokenized, scored as
+    text and mapped back by byte offsets; rows that cannot be are refused (weight 0) and
+    counted in the ``refused_rows`` metric (and ``invalid_rows``). With ``run_dir`` the phase is resumable: the run contract holds the
     student's starting hash and the teacher's model hash besides the job's configs, and a
     learner on an existing run continues from its newest good checkpoint (:attr:`step`).
     ``reference`` defaults to a frozen copy of the starting student (used when
@@ -112,9 +117,20 @@ class OpdLearner:
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         self.log = log
         info = teacher.info()
-        check_compatible(info, tokenizer, student.config.vocab_size)
+        cross_ok = job.teacher_tokenizer is not None
+        check_compatible(info, tokenizer, student.config.vocab_size, cross_tokenizer_ok=cross_ok)
         self.loss = OpdLoss.from_config(job.loss)
-        self.top_k = teacher_top_k(self.loss, info)
+        #: The teacher has another tokenizer: it scores text (see distill/cross_tokenizer.py).
+        self.cross_tokenizer = cross_ok and info.tokenizer_hash != tokenizer.content_hash()
+        if self.cross_tokenizer:
+            check_cross_tokenizer_loss(job.loss.kind, job.loss.advantage, job.loss.teacher_top_k)
+            if not callable(getattr(teacher, "score_text", None)):
+                raise CompatibilityError(
+                    "`teacher` must score text (a TextTeacher, e.g. "
+                    "distill.cross_tokenizer.CrossTokenizerTeacher) when its tokenizer differs "
+                    f"from the student's; received {type(teacher).__name__}"
+                )
+        self.top_k = None if self.cross_tokenizer else teacher_top_k(self.loss, info)
         self.settings = self.plan.settings
         if reference is None and self.loss.kl_reference_weight > 0:
             reference = frozen_copy(student)
@@ -275,6 +291,7 @@ class OpdLearner:
             top_k=self.top_k,
             rewards=rewards,
             group_ids=group_ids,
+            cross_tokenizer=self.cross_tokenizer,
         )
         metrics = opd_update(
             self.optimizer,
@@ -290,6 +307,8 @@ class OpdLearner:
                     f"`metrics.{name}` must be finite; received {metrics[name]} at step {step} "
                     "(the job stops before saving this update)"
                 )
+        if prepared.refused_rows is not None:
+            metrics["refused_rows"] = float(np.asarray(prepared.refused_rows).sum())
         metrics["tokens_per_forward"] = trace.tokens_per_forward()
         metrics["completion_tokens"] = float(np.asarray(batch.slots["completion_mask"]).sum())
         metrics["cut_without_stop"] = float(1.0 - trace.stopped().mean())
