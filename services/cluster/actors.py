@@ -7,6 +7,9 @@ inside its methods (so importing this module, as the driver does, stays light), 
 or reaches gRPC services on the configured host.
 
 - :class:`TeacherReplica`: the trained causal teacher behind the teacher scoring server.
+  Restarted by Ray after a crash, it serves again on the same port (recorded in
+  ``address_file``), so the learner's channel finds it again; :meth:`TeacherReplica.serve`
+  lasts as long as the server does, so the driver sees a replica that is gone for good.
 - :class:`LearnerActor`: :class:`~services.learner.service.LearnerRuntime` (the student,
   the run contract and checkpoints, ``LearnerService``); publishes each policy version's
   weights to the Ray object store (:meth:`LearnerActor.weights` hands out the reference).
@@ -16,6 +19,7 @@ or reaches gRPC services on the configured host.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -67,26 +71,78 @@ def _token(job) -> str | None:
 
 
 class TeacherReplica:
-    """One teacher scoring server holding the trained teacher of ``teacher_run``."""
+    """One teacher scoring server holding the trained teacher of ``teacher_run``.
 
-    def __init__(self, job: dict[str, Any], teacher_run: str, replica: int = 0):
+    ``address_file``: where :meth:`start` records the bound address with ``launch`` (an id
+    the driver draws per job launch). A process Ray restarts after a crash
+    (``max_restarts``) is built with the same arguments, finds its launch's record, and
+    starts serving again in its constructor on that same port, so clients holding the old
+    address (the learner's channel) reach it again once it is up; their calls meanwhile are
+    retried (``cluster.teacher_retry``). A record of another launch is ignored."""
+
+    def __init__(
+        self,
+        job: dict[str, Any],
+        teacher_run: str,
+        replica: int = 0,
+        address_file: str | None = None,
+        launch: str = "",
+    ):
         self.job = _job(job)
         _configure_cpu_threads(self.job.cluster.teacher.cpu_threads)
         self.teacher_run = teacher_run
         self.replica = replica
+        self.address_file = address_file
+        self.launch = launch
         self.server = None
+        recorded = self._recorded_address()
+        if recorded is not None:  # a restart: serve where the first process served
+            self.start(port=int(recorded.rpartition(":")[2]))
 
-    def start(self) -> str:
-        """Load the teacher, serve it; returns the bound ``host:port``."""
+    def _recorded_address(self) -> str | None:
+        if self.address_file is None or not self.launch:
+            return None
+        try:
+            with open(self.address_file, encoding="utf-8") as opened:
+                record = json.load(opened)
+        except (OSError, ValueError):
+            return None
+        return record.get("address") if record.get("launch") == self.launch else None
+
+    def start(self, port: int = 0) -> str:
+        """Load the teacher, serve it on ``port`` (0: any free one; recorded in
+        ``address_file``); returns the advertised ``host:port``. Serving already: its
+        address."""
         from distill import pipeline
         from distill.teacher import InProcessTeacher
         from services.teacher.server import TeacherServerConfig, serve_teacher
 
-        model = pipeline.load_teacher_run(self.job, self.teacher_run)
-        teacher = InProcessTeacher(model, pipeline.job_tokenizer(self.job))
-        config = TeacherServerConfig(address=f"{self.job.cluster.host}:0", token=_token(self.job))
-        self.server = serve_teacher(teacher, config)
+        if self.server is None:
+            model = pipeline.load_teacher_run(self.job, self.teacher_run)
+            teacher = InProcessTeacher(model, pipeline.job_tokenizer(self.job))
+            config = TeacherServerConfig(
+                address=f"{self.job.cluster.host}:{port}", token=_token(self.job)
+            )
+            self.server = serve_teacher(teacher, config)
+            if self.address_file is not None:
+                os.makedirs(os.path.dirname(self.address_file), exist_ok=True)
+                written = f"{self.address_file}.{os.getpid()}"
+                with open(written, "w", encoding="utf-8") as record:
+                    json.dump({"launch": self.launch, "address": self.server.address}, record)
+                os.replace(written, self.address_file)
         return _advertised(self.server.address)
+
+    def serve(self) -> None:
+        """Return when the server stops (never, while the job runs): the driver watches
+        this call, which Ray makes again on a restarted replica and fails once the replica
+        is gone for good."""
+        if self.server is None:
+            raise RuntimeError("`server` must be started first (call start())")
+        while not self.server.wait(60.0):
+            pass
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def stats(self) -> dict[str, Any]:
         import dataclasses
@@ -186,9 +242,7 @@ class LearnerActor:
             addresses=self.teacher_addresses,
             token=token,
             timeout_s=job.cluster.teacher_timeout_s,
-            retries=job.cluster.teacher_retry.retries,
-            backoff_s=job.cluster.teacher_retry.backoff_s,
-            max_backoff_s=job.cluster.teacher_retry.max_backoff_s,
+            retry_policy=job.cluster.teacher_retry,
         )
         learner = OpdLearner(
             job,
@@ -244,6 +298,9 @@ class LearnerActor:
     def status(self) -> dict[str, Any]:
         return {} if self.runtime is None else self.runtime.status()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def log_lines(self, start: int = 0) -> list[str]:
         return self._log[start:]
 
@@ -286,6 +343,9 @@ class RolloutWorkerActor:
             return worker.run(self.stop_event)
         finally:
             worker.close()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def stop(self) -> None:
         self.stop_event.set()

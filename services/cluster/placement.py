@@ -19,13 +19,27 @@ from services.common.config import ClusterConfig, RoleConfig
 RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def actor_options(role: RoleConfig, *, max_concurrency: int = 1) -> dict[str, Any]:
-    """``ray.remote(...).options(...)`` keywords for one actor of ``role``."""
+def actor_options(
+    role: RoleConfig,
+    *,
+    max_concurrency: int = 1,
+    max_restarts: int = 0,
+    name: str | None = None,
+) -> dict[str, Any]:
+    """``ray.remote(...).options(...)`` keywords for one actor of ``role``.
+    ``max_restarts``: Ray restarts the actor that often after its process dies, and a call
+    in progress then (a worker's ``run``, a replica's ``serve``) is made again on the new
+    process; past that, the call fails with the actor's death. ``name``: the actor's name
+    in Ray (``ray list actors``; ``ray.get_actor`` from the job's driver)."""
     options: dict[str, Any] = {
         "num_cpus": role.num_cpus,
         "num_gpus": role.num_gpus,
         "max_concurrency": max_concurrency,
+        "max_restarts": max_restarts,
+        "max_task_retries": -1 if max_restarts else 0,
     }
+    if name is not None:
+        options["name"] = name
     if role.resources:
         options["resources"] = dict(role.resources)
     env = dict(RAY_ENVIRONMENT)

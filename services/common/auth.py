@@ -7,13 +7,16 @@ and reflection services stay open so load balancers and ``grpcurl`` work without
 (they reveal nothing but liveness and the service schema).
 
 Tokens are never taken from the command line (it shows in ``ps`` and shell history): they
-come from a file (``--token-file``) or the ``DISTILL_TOKEN`` environment variable.
+come from a file (``--token-file``) or the ``DISTILL_TOKEN`` environment variable. A token
+file that its group or other users may read or write is refused, as ssh refuses such a key:
+anyone else on the host could take the token (``chmod 600`` it).
 """
 
 from __future__ import annotations
 
 import hmac
 import os
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -38,14 +41,23 @@ def read_token(
 ) -> str | None:
     """The token in ``token_file`` (surrounding whitespace stripped), else the one in the
     environment variable ``env``, else ``None``. An empty or unreadable file is an error: a
-    server must not silently start without the auth its operator asked for."""
+    server must not silently start without the auth its operator asked for. So is a file
+    whose group or others have any permission (on POSIX; checked on the opened file, so a
+    swap between check and read changes nothing): the token would not be secret."""
     if token_file is not None:
         try:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
+            with Path(token_file).open("rb") as opened:
+                _check_private(os.fstat(opened.fileno()).st_mode, os.fspath(token_file))
+                token = opened.read().decode("utf-8").strip()
         except OSError as error:
             raise TokenError(
                 f"`--token-file` must be a readable file; received {os.fspath(token_file)!r} "
                 f"({error.strerror})"
+            ) from error
+        except UnicodeDecodeError as error:
+            raise TokenError(
+                f"`--token-file` must hold a token of printable ASCII without spaces; "
+                f"received {os.fspath(token_file)!r}, which is not text"
             ) from error
         if not token:
             raise TokenError(
@@ -59,6 +71,18 @@ def read_token(
         return None
     _check_token(token, env)
     return token
+
+
+def _check_private(mode: int, path: str) -> None:
+    """Refuse a token file its group or others can access (POSIX modes only)."""
+    if os.name != "posix" or not mode & 0o077:
+        return
+    who = " and ".join(name for name, bits in (("group", 0o070), ("others", 0o007)) if mode & bits)
+    raise TokenError(
+        f"`--token-file` must be accessible by its owner only, like an ssh key (run "
+        f"`chmod 600 {path}`, or mount a secret with mode 0400); received {path!r} with mode "
+        f"{stat.S_IMODE(mode):04o}, open to {who}"
+    )
 
 
 def _check_token(token: str, field: str) -> None:

@@ -110,15 +110,27 @@ def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class RetryPolicy(ConfigModel):
-    """How a client retries a call the server answered ``UNAVAILABLE`` (not started yet,
-    restarting, connection dropped, queue full): ``retries`` extra attempts, the n-th
-    (from 0) after ``min(max_backoff_s, backoff_s * 2**n)`` seconds times a random factor in
-    ``[0.5, 1]`` (jitter, so many clients do not retry in lockstep). ``backoff_s`` is at most
-    ``max_backoff_s``."""
+    """How a client retries a call that failed in a way that may pass: the server answered
+    ``UNAVAILABLE`` (not started yet, restarting, stopping, connection dropped, queue full),
+    gRPC's own overload refusal (``RESOURCE_EXHAUSTED`` "Concurrent RPC limit exceeded"), or
+    the server cancelled the call (``CANCELLED`` that the caller did not ask for). See
+    :func:`services.common.channel.call_with_retry`.
 
-    retries: int = Field(default=4, ge=0, strict=True)
+    Retry ``n`` (from 0) comes ``min(max_backoff_s, backoff_s * 2**n)`` seconds after the
+    failure, times a random factor in ``[0.5, 1]`` (jitter, so many clients do not retry in
+    lockstep). Retrying stops at whichever comes first: ``retries`` extra attempts (``None``:
+    no count limit), or ``budget_s`` seconds since the call first failed (the last wait is
+    cut short so one more attempt is made at the budget's end). The default budget, 30 s,
+    covers a restart of a teacher replica (a few seconds for a tiny model, tens for a large
+    one on a busy host); a longer outage fails the call with an error naming the address,
+    the attempts and the time spent. ``backoff_s`` is at most ``max_backoff_s``; the
+    default cap (2 s) means a server that comes back is found within about 2 s.
+    """
+
+    retries: int | None = Field(default=None, ge=0, strict=True)
     backoff_s: float = Field(default=0.2, ge=0)
-    max_backoff_s: float = Field(default=5.0, ge=0)
+    max_backoff_s: float = Field(default=2.0, ge=0)
+    budget_s: float = Field(default=30.0, ge=0)
 
     @model_validator(mode="after")
     def _check_backoff(self) -> Self:
@@ -130,7 +142,13 @@ class RetryPolicy(ConfigModel):
 
     def delay_s(self, attempt: int) -> float:
         """The wait before retry ``attempt`` (0 for the first), before jitter."""
-        return min(self.max_backoff_s, self.backoff_s * 2**attempt)
+        return min(self.max_backoff_s, self.backoff_s * 2.0 ** min(attempt, 64))
+
+
+#: Restarts per actor unless a role's ``max_restarts`` says otherwise. A teacher replica
+#: comes back on its address and a rollout worker's lost shard is handed out again, so both
+#: are restarted; the learner holds the run's state and is not (rerun to resume).
+DEFAULT_MAX_RESTARTS: dict[str, int] = {"teacher": 3, "rollout": 3, "learner": 0}
 
 
 class RoleConfig(ConfigModel):
@@ -141,7 +159,10 @@ class RoleConfig(ConfigModel):
     e.g. a TPU slice head ``{"TPU-v5e-8-head": 1}``). ``cpu_threads``: when set, the actor's
     process runs XLA's CPU backend with that many threads (one core each for benchmarks).
     ``cpu_affinity``: when set, the actor's process runs only on these core ids (Linux
-    ``sched_setaffinity``; a benchmark's way to give each process its own core)."""
+    ``sched_setaffinity``; a benchmark's way to give each process its own core).
+    ``max_restarts``: how many times Ray restarts one such actor after its process dies
+    (``None``: the role's default, :data:`DEFAULT_MAX_RESTARTS`; the learner is never
+    restarted in place: the job fails naming it and a rerun resumes from its checkpoint)."""
 
     count: int = Field(default=1, ge=1, strict=True)
     num_cpus: float = Field(default=1.0, ge=0)
@@ -149,6 +170,12 @@ class RoleConfig(ConfigModel):
     resources: dict[str, float] = Field(default_factory=dict)
     cpu_threads: int | None = Field(default=None, ge=1)
     cpu_affinity: tuple[int, ...] | None = None
+    max_restarts: int | None = Field(default=None, ge=0, strict=True)
+
+    def restarts(self, role: str) -> int:
+        """``max_restarts``, or the default of ``role`` (``teacher``, ``rollout``,
+        ``learner``)."""
+        return DEFAULT_MAX_RESTARTS[role] if self.max_restarts is None else self.max_restarts
 
     @model_validator(mode="after")
     def _check_affinity(self) -> Self:
@@ -167,7 +194,10 @@ class ClusterConfig(ConfigModel):
     bind on (loopback by default; a multi-host cluster needs a reachable one plus a token
     in ``token_file``). ``start_timeout_s``: how long placing and starting the actors may
     take; ``step_timeout_s``: how long one step may wait for its rollouts;
-    ``teacher_timeout_s`` and ``teacher_retry``: each teacher call's deadline and retries.
+    ``teacher_timeout_s`` and ``teacher_retry``: each teacher call's deadline and retries
+    (within a time budget that covers a replica's restart).
+    ``watchdog_s``: the job fails when no training step completes for this long, naming the
+    stage that stalled (``rollout``, ``teacher`` or ``learner``); ``None`` turns it off.
     ``record_traces``: the learner keeps every trained rollout in ``RUN/opd/traces/``.
     """
 
@@ -182,12 +212,20 @@ class ClusterConfig(ConfigModel):
     step_timeout_s: float = Field(default=600.0, gt=0)
     teacher_timeout_s: float = Field(default=120.0, gt=0)
     teacher_retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    watchdog_s: float | None = Field(default=1800.0, gt=0)
     record_traces: bool = False
 
     @model_validator(mode="after")
     def _check_roles(self) -> Self:
         if self.learner.count != 1:
             raise config_error("learner.count", "be 1 (one learner per job)", self.learner.count)
+        if self.learner.max_restarts not in (None, 0):
+            raise config_error(
+                "learner.max_restarts",
+                "be 0 or null (the learner is not restarted in place; rerun the job to resume "
+                "from its newest checkpoint)",
+                self.learner.max_restarts,
+            )
         if self.token_file is None and not is_loopback(self.host):
             raise config_error(
                 "token_file",

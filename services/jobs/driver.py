@@ -7,9 +7,13 @@
    with the student, one model, deterministic (:mod:`services.jobs.checks`);
 4. place the learner (``RUN/opd``: contract, checkpoints, TensorBoard curves), which
    resumes from its newest checkpoint, and ``cluster.rollout.count`` rollout workers;
-5. train to the end while showing progress, watching every actor: a failed actor ends the
-   job with an error naming it; a step that waits longer than ``cluster.step_timeout_s``
-   for its rollouts fails with a message naming the missing rows.
+5. train to the end while showing progress, watching every actor: Ray restarts a teacher
+   replica or rollout worker whose process died (``cluster.<role>.max_restarts``; the
+   replica serves again on its address, the worker's lost shard is handed out again); an
+   actor gone for good, or the learner, ends the job with an error naming it; a step that
+   waits longer than ``cluster.step_timeout_s`` for its rollouts fails naming the missing
+   rows; and when no step completes for ``cluster.watchdog_s`` the job fails naming the
+   stage that stalled (rollout, teacher or learner) instead of hanging.
 
 The driver imports neither JAX nor the model code: actors do, in their own processes.
 Rerunning the same command resumes: finished phases are reused, OPD continues from its
@@ -19,7 +23,9 @@ newest checkpoint and regenerates the rollouts that were in flight.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +43,55 @@ Log = Callable[[str], None]
 
 class JobFailed(RuntimeError):
     """The job stopped: the message names the actor or stage that failed."""
+
+
+def actor_name(run_dir: str | Path, role: str) -> str:
+    """The Ray name of a job's actor: ``role`` (``teacher-0``, ``learner``, ``rollout-1``)
+    prefixed with a tag of the run directory, so two jobs on one cluster never share a
+    name (``ray list actors``; ``ray.get_actor(name)`` from the job's driver)."""
+    tag = hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:10]
+    return f"distill-{tag}-{role}"
+
+
+class Watchdog:
+    """Fails the job when no training step completes within ``limit_s`` seconds (``None``:
+    never), naming the stage the learner reports (``rollout``, ``teacher``, ``learner``).
+
+    :meth:`observe` takes each learner status (``None`` when the learner did not answer);
+    a status whose ``step`` is past the last one seen restarts the clock. ``clock`` is
+    injectable for tests."""
+
+    def __init__(
+        self, limit_s: float | None, step: int, *, clock: Callable[[], float] = time.monotonic
+    ):
+        self.limit_s = limit_s
+        self.step = step
+        self.clock = clock
+        self.since = clock()
+        self.status: dict[str, Any] = {}
+        self.answered = True
+
+    def observe(self, status: dict[str, Any] | None) -> None:
+        """Record ``status``; raises :class:`JobFailed` once the limit has passed."""
+        now = self.clock()
+        self.answered = status is not None
+        if status:
+            self.status = status
+            if status.get("step", self.step) > self.step:
+                self.step, self.since = status["step"], now
+        if self.limit_s is not None and now - self.since > self.limit_s:
+            raise JobFailed(self.message())
+
+    def message(self) -> str:
+        if self.answered and self.status:
+            stage = self.status.get("stage", "learner")
+            detail = self.status.get("stage_detail", "")
+        else:
+            stage, detail = "learner", "the learner did not answer its status call"
+        return (
+            f"`watchdog`: no step completed in {self.limit_s:g} s (cluster.watchdog_s; "
+            f"the last completed step is {self.step}); stalled in {stage}: {detail}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +168,21 @@ def run_job(
         )
 
         teacher_class = ray.remote(actors.TeacherReplica)
+        launch = uuid.uuid4().hex  # a restarted replica finds its own address record
         replicas = [
-            teacher_class.options(**actor_options(cluster.teacher)).remote(
-                payload, str(run_dir / "teacher"), index
+            teacher_class.options(
+                **actor_options(
+                    cluster.teacher,
+                    max_concurrency=4,
+                    max_restarts=cluster.teacher.restarts("teacher"),
+                    name=actor_name(run_dir, f"teacher-{index}"),
+                )
+            ).remote(
+                payload,
+                str(run_dir / "teacher"),
+                index,
+                str(run_dir / "cluster" / f"teacher-{index}.json"),
+                launch,
             )
             for index in range(cluster.teacher.count)
         ]
@@ -131,7 +198,9 @@ def run_job(
 
         learner_class = ray.remote(actors.LearnerActor)
         learner = learner_class.options(
-            **actor_options(cluster.learner, max_concurrency=16)
+            **actor_options(
+                cluster.learner, max_concurrency=16, name=actor_name(run_dir, "learner")
+            )
         ).remote(
             payload,
             student_run=str(run_dir / "student"),
@@ -146,7 +215,14 @@ def run_job(
 
         worker_class = ray.remote(actors.RolloutWorkerActor)
         workers = [
-            worker_class.options(**actor_options(cluster.rollout, max_concurrency=2)).remote(
+            worker_class.options(
+                **actor_options(
+                    cluster.rollout,
+                    max_concurrency=2,
+                    max_restarts=cluster.rollout.restarts("rollout"),
+                    name=actor_name(run_dir, f"rollout-{index}"),
+                )
+            ).remote(
                 payload,
                 worker_id=f"rollout-{index}",
                 learner_address=started["address"],
@@ -158,7 +234,14 @@ def run_job(
         runs = {
             worker.run.remote(): f"rollout worker {index}" for index, worker in enumerate(workers)
         }
-        result = _supervise(learner, runs, job.opd.steps, started["step"], progress, log)
+        # A replica's serve() lasts while it serves (made again after a restart): it ends
+        # only when the replica is gone for good, which then ends the job naming it.
+        runs |= {
+            replica.serve.remote(): f"teacher replica {index}"
+            for index, replica in enumerate(replicas)
+        }
+        watchdog = Watchdog(cluster.watchdog_s, started["step"])
+        result = _supervise(learner, runs, job.opd.steps, started["step"], progress, log, watchdog)
         return JobResult(
             run_dir=run_dir,
             history=result["history"],
@@ -183,7 +266,12 @@ def _check_teachers(job: JobSpec, plan: JobPlan, addresses: list[str]) -> None:
 
     token = None if job.cluster.token_file is None else read_token(job.cluster.token_file)
     clients = [
-        RemoteTeacher(address, token=token, timeout_s=job.cluster.teacher_timeout_s)
+        RemoteTeacher(
+            address,
+            token=token,
+            timeout_s=job.cluster.teacher_timeout_s,
+            retry_policy=job.cluster.teacher_retry,
+        )
         for address in addresses
     ]
     try:
@@ -194,8 +282,25 @@ def _check_teachers(job: JobSpec, plan: JobPlan, addresses: list[str]) -> None:
             client.close()
 
 
-def _supervise(learner, runs: dict, steps: int, start: int, progress: bool, log: Log) -> dict:
-    """Wait for the learner's run while watching the workers; show progress."""
+def _raise_if_learner_failed(run, wait_s: float = 5.0) -> None:
+    """Raise :class:`JobFailed` naming the learner if its ``run`` failed (within
+    ``wait_s``: Ray reports a dead process a moment after its peers notice)."""
+    import ray
+
+    ready, _ = ray.wait([run], timeout=wait_s)
+    if ready:
+        try:
+            ray.get(run)
+        except Exception as error:
+            raise JobFailed(f"the learner failed: {_reason(error)}") from error
+
+
+def _supervise(
+    learner, runs: dict, steps: int, start: int, progress: bool, log: Log, watchdog: Watchdog
+) -> dict:
+    """Wait for the learner's run while watching the other actors' long calls (``runs``:
+    reference -> name; one that fails ends the job naming it) and the ``watchdog``; show
+    progress."""
     import ray
     import tqdm
 
@@ -220,12 +325,18 @@ def _supervise(learner, runs: dict, steps: int, start: int, progress: bool, log:
                 try:
                     ray.get(reference)
                 except Exception as error:
+                    # A dead learner fails its workers' calls too: name the cause.
+                    _raise_if_learner_failed(run)
                     raise JobFailed(f"{name} failed: {_reason(error)}") from error
+                if name.startswith("teacher replica"):
+                    raise JobFailed(f"{name} stopped serving while the job ran")
             try:
                 status = ray.get(learner.status.remote(), timeout=30)
                 lines = ray.get(learner.log_lines.remote(printed), timeout=30)
             except ray.exceptions.GetTimeoutError:
+                watchdog.observe(None)
                 continue
+            watchdog.observe(status)
             for line in lines:
                 bar.write(line) if progress else log(line)
             printed += len(lines)

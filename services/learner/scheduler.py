@@ -14,7 +14,10 @@ A delivered shard is kept until its step trains. A shard whose policy version is
 work that is not outstanding (already delivered, never assigned, or an already trained
 step) is refused and counted. A shard assigned longer than ``reassign_after_s`` ago goes
 back to the queue (its worker may have died); if the first worker delivers after all, the
-second delivery is refused, so every row trains exactly once.
+second delivery is refused, so every row trains exactly once. A worker works on one shard at
+a time, so one that asks for work while still holding a shard has lost it (it was restarted
+after a crash): that shard goes back to the queue at once, without waiting for
+``reassign_after_s``.
 """
 
 from __future__ import annotations
@@ -74,10 +77,15 @@ def shard_bounds(rows: int, shards: int) -> list[tuple[int, int]]:
 
 @dataclasses.dataclass
 class SchedulerCounts:
+    """Rows kept, dropped as stale and refused; shards handed out again because their
+    worker went silent (``reassigned_shards``) or asked again while holding them, i.e. was
+    restarted (``released_shards``)."""
+
     accepted_rows: int = 0
     dropped_stale_rows: int = 0
     refused_rows: int = 0
     reassigned_shards: int = 0
+    released_shards: int = 0
 
 
 class WorkScheduler:
@@ -115,6 +123,7 @@ class WorkScheduler:
         self._next_step = start_step  # lowest step whose shards were never all handed out
         self._queue: list[Shard] = []  # shards to hand out again (dropped or reassigned)
         self._assigned: dict[Shard, float] = {}
+        self._holders: dict[Shard, str] = {}  # who holds an assigned shard ("" unknown)
         self._delivered: dict[int, dict[Shard, RolloutBatch]] = {}
         self._closed: str | None = None
         self.counts = SchedulerCounts()
@@ -156,30 +165,46 @@ class WorkScheduler:
         for shard, since in list(self._assigned.items()):
             if now - since > self._reassign_after_s:
                 del self._assigned[shard]
+                self._holders.pop(shard, None)
                 self._queue.append(shard)
                 self.counts.reassigned_shards += 1
 
-    def _work(self, shard: Shard) -> Assignment:
+    def _release(self, worker_id: str) -> None:
+        """Hand out again every shard ``worker_id`` holds (it asks for work, so it lost them)."""
+        if not worker_id:
+            return
+        for shard, holder in list(self._holders.items()):
+            if holder == worker_id:
+                del self._holders[shard]
+                self._assigned.pop(shard, None)
+                self._queue.append(shard)
+                self.counts.released_shards += 1
+
+    def _work(self, shard: Shard, worker_id: str = "") -> Assignment:
         self._assigned[shard] = self._clock()
+        self._holders[shard] = worker_id
         positions = self._positions(shard.step)[shard.row_start : shard.row_start + shard.row_count]
         return Assignment(
             WorkKind.WORK, shard, tuple(int(p) for p in positions), self.rollout_version(shard.step)
         )
 
-    def acquire(self, wait_s: float = 0.0) -> Assignment:
+    def acquire(self, wait_s: float = 0.0, worker_id: str = "") -> Assignment:
         """The next shard whose rollout version is published, else WAIT (or DONE). With
         ``wait_s`` > 0 a WAIT is held back up to that long for work to appear (a long poll:
-        a worker learns of a new version as soon as it is published, without polling)."""
+        a worker learns of a new version as soon as it is published, without polling).
+        ``worker_id`` (stable across a worker's restarts): any shard it still holds is
+        handed out again first (module docstring)."""
         deadline = time.monotonic() + wait_s
         with self._condition:
+            self._release(worker_id)
             while True:
-                assignment = self._try_acquire()
+                assignment = self._try_acquire(worker_id)
                 remaining = deadline - time.monotonic()
                 if assignment.kind is not WorkKind.WAIT or remaining <= 0:
                     return assignment
                 self._condition.wait(remaining)
 
-    def _try_acquire(self) -> Assignment:
+    def _try_acquire(self, worker_id: str = "") -> Assignment:
         with self._condition:
             if self._closed is not None or self._published >= self.end_step:
                 return Assignment(WorkKind.DONE)
@@ -188,7 +213,7 @@ class WorkScheduler:
             for index, shard in enumerate(self._queue):
                 if self.rollout_version(shard.step) <= self._published:
                     del self._queue[index]
-                    return self._work(shard)
+                    return self._work(shard, worker_id)
             step = self._next_step
             if step < self.end_step and self.rollout_version(step) <= self._published:
                 handed = {s.row_start for s in self._assigned if s.step == step}
@@ -198,9 +223,9 @@ class WorkScheduler:
                     if start not in handed:
                         if len(handed) + 1 == len(self.bounds):
                             self._next_step = step + 1
-                        return self._work(Shard(step, start, count))
+                        return self._work(Shard(step, start, count), worker_id)
                 self._next_step = step + 1
-                return self._try_acquire()
+                return self._try_acquire(worker_id)
             return Assignment(WorkKind.WAIT)
 
     def deliver(self, batch: RolloutBatch) -> Delivery:
@@ -217,6 +242,7 @@ class WorkScheduler:
                 self.counts.refused_rows += len(rows)
                 return Delivery.REFUSED
             del self._assigned[shard]
+            self._holders.pop(shard, None)
             if batch.step - batch.policy_version > self.max_staleness:
                 self._queue.append(shard)
                 self.counts.dropped_stale_rows += len(rows)
@@ -228,6 +254,22 @@ class WorkScheduler:
             return Delivery.ACCEPTED
 
     # ---- the learner ---------------------------------------------------------------------
+
+    def holders(self) -> dict[str, list[tuple[int, int, int]]]:
+        """``{worker_id: [(step, row_start, row_count), ...]}`` of the shards assigned and
+        not yet delivered ("" for a caller that gave no id)."""
+        with self._condition:
+            held: dict[str, list[tuple[int, int, int]]] = {}
+            for shard in sorted(self._assigned, key=lambda s: (s.step, s.row_start)):
+                worker = self._holders.get(shard, "")
+                held.setdefault(worker, []).append((shard.step, shard.row_start, shard.row_count))
+            return held
+
+    def missing(self, step: int) -> list[tuple[int, int]]:
+        """``(row_start, row_count)`` of the shards of ``step`` not delivered yet."""
+        with self._condition:
+            have = {shard.row_start for shard in self._delivered.get(step, {})}
+            return [(start, count) for start, count in self.bounds if start not in have]
 
     def queued_rows(self) -> int:
         with self._condition:

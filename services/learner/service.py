@@ -11,6 +11,11 @@ and one training thread.
   drops as stale, or refuses each shard; the answer counts each.
 - ``Status``: step, policy version, counters, the training error if any.
 
+:meth:`LearnerRuntime.status` also says which stage the training thread is in (``rollout``:
+waiting for a step's traces; ``teacher``: a teacher call in progress; ``learner``: updating,
+evaluating, checkpointing or publishing), since when, and which shards each rollout worker
+holds: what the job driver's watchdog names when no step completes in time.
+
 :class:`LearnerRuntime` trains step by step: it waits for a step's shards, trains
 (:meth:`OpdLearner.train`: teacher scores at learner time, update, ledger, evaluations,
 checkpoints), publishes the new weights through ``publish(version, weights)`` (the Ray
@@ -52,11 +57,13 @@ _LONG_POLL_S = 1.0
 
 class TimedTeacher:
     """A :class:`~distill.teacher_contract.Teacher` that adds up the seconds its ``score``
-    calls take (teacher-call time as a share of step time)."""
+    calls take (teacher-call time as a share of step time) and tells whether one is in
+    progress (``scoring``: the number of sequences of the call in progress, else 0)."""
 
     def __init__(self, teacher: Teacher):
         self.teacher = teacher
         self.seconds = 0.0
+        self.scoring = 0
 
     def info(self) -> TeacherInfo:
         return self.teacher.info()
@@ -65,9 +72,11 @@ class TimedTeacher:
         self, sequences: Sequence[Sequence[int]], *, top_k: int | None = None
     ) -> list[ScoredSequence]:
         start = time.perf_counter()
+        self.scoring = len(sequences)
         try:
             return self.teacher.score(sequences, top_k=top_k)
         finally:
+            self.scoring = 0
             self.seconds += time.perf_counter() - start
 
 
@@ -104,7 +113,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         self.runtime = runtime
 
     def AcquireWork(self, request: learner_pb2.WorkRequest, context: grpc.ServicerContext):
-        assignment = self.runtime.scheduler.acquire(wait_s=_LONG_POLL_S)
+        # The worker id is stable across a worker's restarts: what it still holds is lost.
+        assignment = self.runtime.scheduler.acquire(
+            wait_s=_LONG_POLL_S, worker_id=request.worker_id
+        )
         kinds = {
             WorkKind.WORK: learner_pb2.WorkAssignment.WORK,
             WorkKind.WAIT: learner_pb2.WorkAssignment.WAIT,
@@ -200,6 +212,11 @@ class LearnerRuntime:
         self._server: RunningServer | None = None
         self._done = threading.Event()
         self._written_evaluations = 0  # evaluations already in the TensorBoard files
+        # What the training thread does now: "starting", "rollout" (waiting for the traces
+        # of ``_stage_step``), "learner" (training; "teacher" while a teacher call runs),
+        # "done"; and since when (monotonic seconds).
+        self._stage, self._stage_step, self._stage_since = "starting", learner.step, 0.0
+        self._set_stage("starting", learner.step)
 
     @property
     def address(self) -> str:
@@ -218,8 +235,37 @@ class LearnerRuntime:
         )
         return self._server.address
 
+    def _set_stage(self, stage: str, step: int) -> None:
+        self._stage, self._stage_step, self._stage_since = stage, step, time.monotonic()
+
+    def stage(self) -> tuple[str, str]:
+        """``(stage, detail)``: what the training thread is doing now (``rollout``,
+        ``teacher``, ``learner``, or ``starting`` / ``done``) and, in words, on what."""
+        stage, step = self._stage, self._stage_step
+        seconds = time.monotonic() - self._stage_since
+        if stage == "rollout":
+            held = self.scheduler.holders()
+            holding = "; ".join(
+                f"{worker or 'a worker'} holds (step, row_start, row_count) {shards}"
+                for worker, shards in held.items()
+            )
+            return stage, (
+                f"step {step} has waited {seconds:.0f} s for rows (row_start, row_count) "
+                f"{self.scheduler.missing(step)} from the rollout workers"
+                + (f"; {holding}" if holding else "; no worker holds any of them")
+            )
+        if stage == "learner" and self.teacher.scoring:
+            return "teacher", (
+                f"step {step} waits for the teacher to score {self.teacher.scoring} sequences "
+                f"(teacher calls of this step so far: {self.teacher.seconds:.0f} s)"
+            )
+        if stage == "learner":
+            return stage, f"step {step}: updating, evaluating, checkpointing or publishing"
+        return stage, f"step {step}, for {seconds:.0f} s"
+
     def status(self) -> dict[str, Any]:
         counts = self.scheduler.counts
+        stage, detail = self.stage()
         return {
             "step": self.learner.step,
             "total_steps": self.end_step,
@@ -231,10 +277,18 @@ class LearnerRuntime:
             "queued_rows": self.scheduler.queued_rows(),
             "done": self._done.is_set(),
             "error": self.counters.error,
+            "stage": stage,
+            "stage_detail": detail,
+            "reassigned_shards": counts.reassigned_shards,
+            "released_shards": counts.released_shards,
+            "assigned": self.scheduler.holders(),
         }
 
     def status_message(self) -> learner_pb2.LearnerStatus:
-        return learner_pb2.LearnerStatus(**self.status())
+        fields = learner_pb2.LearnerStatus.DESCRIPTOR.fields_by_name
+        return learner_pb2.LearnerStatus(
+            **{name: value for name, value in self.status().items() if name in fields}
+        )
 
     def run(self) -> list[dict[str, float]]:
         """Train until ``end_step``; returns this call's per-step metrics. Any failure
@@ -246,13 +300,16 @@ class LearnerRuntime:
 
             writer = SummaryWriter(str(self.tensorboard_dir))
         try:
+            self._set_stage("learner", learner.step)
             if learner.step == 0 and not learner.reports:
                 learner.evaluate()
             self._write_evaluations(writer)
             while learner.step < self.end_step:
                 step = learner.step
                 waited = time.perf_counter()
+                self._set_stage("rollout", step)
                 parts = self.scheduler.wait_step(step, self.step_timeout_s)
+                self._set_stage("learner", step)
                 started = time.perf_counter()
                 self.teacher.seconds = 0.0
                 # Every row was checked when it was pushed; train checks the step as a whole.
@@ -284,6 +341,7 @@ class LearnerRuntime:
             ):
                 learner.save(self.history[-1])
             self.scheduler.close("training finished")
+            self._set_stage("done", learner.step)
             return self.history
         except BaseException as error:
             self.counters.error = f"{type(error).__name__}: {error}"

@@ -48,14 +48,24 @@ def test_addresses():
 def test_retry_policy_backoff_doubles_up_to_the_cap():
     policy = RetryPolicy(retries=5, backoff_s=0.5, max_backoff_s=3.0)
     assert [policy.delay_s(n) for n in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert policy.delay_s(5000) == 3.0  # no overflow however long an outage lasts
+
+
+def test_the_default_retry_policy_rides_out_a_replica_restart():
+    # A budget, not a count: retries go on for 30 s after the first failure (a tiny
+    # teacher restarts in about 4 s), each at most 2 s after the last.
+    policy = RetryPolicy()
+    assert (policy.retries, policy.budget_s, policy.max_backoff_s) == (None, 30.0, 2.0)
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"retries": -1}, "`retries` must be greater than or equal to 0; received -1"),
-        ({"backoff_s": 6.0}, "`backoff_s` must be in [0, max_backoff_s=5.0]; received 6.0"),
+        ({"backoff_s": 6.0}, "`backoff_s` must be in [0, max_backoff_s=2.0]; received 6.0"),
         ({"max_backoff_s": -1.0}, "`max_backoff_s` must be greater than or equal to 0"),
+        ({"budget_s": -1.0}, "`budget_s` must be greater than or equal to 0"),
+        ({"retries": 1.5}, "`retries` must be a valid integer"),
     ],
 )
 def test_bad_retry_policies_name_the_field(fields, message):

@@ -1,12 +1,14 @@
 """RemoteTeacher and the server plumbing against a fake teacher (no model, no JAX compiles):
-retries on UNAVAILABLE only, a full queue, teacher failures, deadlines, TLS, replicas'
-addresses, and a client process that never loads JAX."""
+retries on transient failures only (a server restarted on its port), a retry budget that ends a lasting outage with the address named, a full queue,
+teacher failures, deadlines, TLS, replicas' addresses, and a client process that never
+loads JAX."""
 
 import datetime
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -132,6 +134,77 @@ def test_no_server_at_the_address_is_unavailable_after_the_retries():
     with pytest.raises(TeacherServerError) as caught:
         RemoteTeacher(address, retries=1, backoff_s=0.01, timeout_s=10).info()
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_teacher_restarted_on_its_port_loses_no_call_of_concurrent_clients(fake):
+    # Four clients keep scoring while the server stops gracefully and comes back on the
+    # same port 3 s later (longer than the 2 s backoff cap): with the default retry policy
+    # every call succeeds, those made during the outage by retrying.
+    server = serve_teacher(fake, TeacherServerConfig(grace_s=1.0))
+    address, port = server.address, server.port
+    stop, errors, done, longest = threading.Event(), [], [0] * 4, [0.0] * 4
+
+    def client(index):
+        with RemoteTeacher(address, timeout_s=WAIT_S) as remote:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    (scored,) = remote.score([[1, index + 2]])
+                    assert scored.log_probs.tolist() == [-(index + 2)]
+                except Exception as error:  # every failure is the test's failure
+                    errors.append(error)
+                    return
+                longest[index] = max(longest[index], time.monotonic() - started)
+                done[index] += 1
+
+    def wait_for(condition, what):
+        deadline = time.monotonic() + WAIT_S
+        while not condition():
+            assert not errors, errors
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    restarted = None
+    try:
+        wait_for(lambda: min(done) >= 3, "every client to score before the stop")
+        server.stop()
+        time.sleep(3.0)
+        restarted = serve_teacher(FakeTeacher(), TeacherServerConfig(address=f"127.0.0.1:{port}"))
+        assert restarted.address == address
+        after_restart = list(done)
+        wait_for(
+            lambda: all(d >= a + 3 for d, a in zip(done, after_restart, strict=True)),
+            "every client to score after the restart",
+        )
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+        if restarted is not None:
+            restarted.stop()
+    assert errors == [] and not any(thread.is_alive() for thread in threads)
+    assert restarted.stats().requests >= 12
+    # Calls were in flight across the outage (they waited it out rather than failing).
+    assert max(longest) >= 2.0
+
+
+def test_a_teacher_that_stays_down_fails_within_the_budget_naming_the_address(fake):
+    with serve_teacher(fake) as server:
+        address = server.address
+    remote = RemoteTeacher(address, budget_s=2.0, backoff_s=0.1, max_backoff_s=0.5, timeout_s=10)
+    started = time.monotonic()
+    with pytest.raises(TeacherServerError) as caught:
+        remote.score([[1, 2]])
+    took = time.monotonic() - started
+    error = caught.value
+    assert error.code == grpc.StatusCode.UNAVAILABLE and error.address == address
+    assert error.attempts >= 3 and error.elapsed_s >= 2.0
+    assert took < 2.0 + 10  # the budget plus at most one attempt's deadline
+    assert f"[teacher server {address}: UNAVAILABLE; {error.attempts} attempts in " in str(error)
+    assert str(error).endswith(", retry budget spent (budget_s=2)]")
 
 
 def test_a_full_queue_is_unavailable_and_the_server_recovers(fake):

@@ -250,7 +250,7 @@ def test_remote_teacher_raises_the_servers_reason_as_a_value_error(remote):
         remote.score([[2, 99]])
     assert isinstance(e.value, InvalidTeacherRequest)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(ValueError, match="^`top_k` must be None or >= 1; received 0"):
+    with pytest.raises(ValueError, match="^`top_k` must be None or an int >= 1; received 0"):
         remote.score([[2, 5]], top_k=0)
 
 
@@ -388,11 +388,13 @@ def test_serve_teacher_cli_scores_an_hf_checkpoint_and_stops_on_sigterm(tmp_path
     checkpoint = tiny_llama_checkpoint(tmp_path / "llama")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)  # a token file others can read is refused
     env = os.environ | {"JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32"}
     env.pop("DISTILL_TOKEN", None)
     stderr = open(tmp_path / "server.err", "w")  # noqa: SIM115 - closed below
     command = [sys.executable, "-m", "services.cli", "serve", "teacher"]
     command += ["--hf-checkpoint", str(checkpoint), "--token-file", str(token_file)]
+    command += ["--shapes", "none"]  # the warm-up of the default shapes: tests/services/test_cli.py
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
     )
@@ -423,6 +425,7 @@ def test_serve_teacher_cli_scores_an_hf_checkpoint_and_stops_on_sigterm(tmp_path
         assert "must hold ids in [0, 32); received 99" in capsys.readouterr().err
         wrong = tmp_path / "wrong"
         wrong.write_text("nope")
+        wrong.chmod(0o600)
         assert (
             cli.main(["score", "--server", address, "--token-file", str(wrong), "--ids", "1 7"])
             == 1
@@ -458,7 +461,8 @@ def test_a_trained_teacher_run_is_served_with_its_job_tokenizer(tmp_path):
     sets = [part for override in overrides for part in ("--set", override)]
     run = ["deploy/configs/tiny.yaml", *sets]
     assert cli.main(["train-teacher", *run, "--run-dir", str(tmp_path), "--quiet"]) == 0
-    args = cli.build_parser().parse_args(["serve", "teacher", *run, "--teacher-run", str(tmp_path)])
+    serve = ["serve", "teacher", *run, "--teacher-run", str(tmp_path), "--shapes", "none"]
+    args = cli.build_parser().parse_args(serve)
     teacher = cli._served_teacher(args)
     with serve_teacher(teacher) as server, RemoteTeacher(server.address) as remote:
         assert remote.info() == teacher.info()

@@ -1,0 +1,400 @@
+"""Faults injected into a running distributed job (embedded Ray on loopback, tiny models),
+and the fault handling underneath them.
+
+Slow (each a whole job, about a minute on two cores):
+
+- a rollout worker SIGKILLed while it holds a shard: Ray restarts it, the learner hands
+  its shard out again at once, the job finishes;
+- the only teacher replica SIGKILLed while the learner waits on it: Ray restarts it on the
+  same port, the learner's calls retry through the outage, the job finishes;
+- the only teacher replica SIGKILLed with no restarts allowed: the job fails within a
+  bounded time naming the replica;
+- a teacher replica that hangs (SIGSTOP): the watchdog fails the job naming the stage;
+- the learner SIGKILLed between two checkpoints: the job fails naming it, and a rerun of
+  the same job resumes and finishes.
+
+In every finishing case the data ledger of the final checkpoint shows each sample trained
+exactly once, the learner accepted each row once (nothing twice), and (for a teacher
+outage) no finished rollout was dropped or generated again.
+
+Fast: the watchdog's clock and message, and the scheduler handing out again the shard of a
+worker that asks for work while holding one (it was restarted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distill.config import load_config
+from services.common.config import JobSpec
+from services.jobs.driver import JobFailed, Watchdog, actor_name
+from services.learner.scheduler import Delivery, WorkKind, WorkScheduler
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+BATCH = 4
+OVERRIDES = [
+    "teacher.d_model=32",
+    "teacher.d_ff=64",
+    "student.d_model=32",
+    "student.d_ff=64",
+    "student_init=scratch",
+    f"data.batch_size={BATCH}",
+    "teacher_training.steps=2",
+    "teacher_training.optimizer.warmup_steps=1",
+    "teacher_training.eval_examples=2",
+    "student_warmup.steps=2",
+    "student_warmup.optimizer.warmup_steps=1",
+    "student_warmup.eval_examples=2",
+    f"opd.steps={STEPS}",
+    "opd.checkpoint_every=2",
+    "opd.eval_examples=2",
+    "cluster.rollout.count=2",
+    "cluster.teacher.count=1",
+    "cluster.step_timeout_s=300",
+    # Generous on two shared cores: a restarted replica imports JAX and loads its teacher.
+    "cluster.teacher_retry.budget_s=120",
+]
+#: Every bounded wait of these tests (each names what it waited for).
+WAIT_S = 240.0
+
+
+def job_with(*extra: str) -> JobSpec:
+    return load_config(ROOT / "deploy/configs/tiny.yaml", JobSpec, [*OVERRIDES, *extra])
+
+
+# ---- fast: the watchdog and the scheduler ---------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_watchdog_fails_naming_the_stage_once_no_step_completes_in_time():
+    clock = FakeClock()
+    watchdog = Watchdog(60.0, 3, clock=clock)
+    teacher = {"step": 3, "stage": "teacher", "stage_detail": "step 3 waits for the teacher"}
+    clock.now = 59.0
+    watchdog.observe(teacher)
+    clock.now = 100.0
+    watchdog.observe({**teacher, "step": 4})  # a step completed: the clock starts again
+    clock.now = 160.0
+    watchdog.observe({**teacher, "step": 4})
+    clock.now = 161.0
+    with pytest.raises(JobFailed) as caught:
+        watchdog.observe({**teacher, "step": 4})
+    assert str(caught.value) == (
+        "`watchdog`: no step completed in 60 s (cluster.watchdog_s; the last completed step "
+        "is 4); stalled in teacher: step 3 waits for the teacher"
+    )
+
+
+def test_a_silent_learner_is_the_stalled_stage_and_no_limit_never_fires():
+    clock = FakeClock()
+    watchdog = Watchdog(10.0, 0, clock=clock)
+    watchdog.observe({"step": 0, "stage": "rollout", "stage_detail": "waiting"})
+    clock.now = 11.0
+    with pytest.raises(JobFailed, match="stalled in learner: the learner did not answer"):
+        watchdog.observe(None)
+    unlimited = Watchdog(None, 0, clock=clock)
+    clock.now = 1e9
+    unlimited.observe(None)
+
+
+def batch_of(assignment):
+    """A delivery of ``assignment``'s rows (only the fields the scheduler reads)."""
+    shard = assignment.shard
+
+    class Rows:
+        step = shard.step
+        policy_version = assignment.policy_version
+        row_ids = np.arange(shard.row_start, shard.row_start + shard.row_count)
+
+    return Rows()
+
+
+def test_a_worker_asking_again_while_holding_a_shard_gets_it_back_at_once():
+    # A restarted worker (same id) asks for work: the shard its dead process held is
+    # handed out again without waiting for reassign_after_s, and trains once.
+    work = WorkScheduler(
+        start_step=0,
+        end_step=2,
+        rows_per_step=4,
+        shards_per_step=2,
+        max_staleness=0,
+        stream_positions=lambda step: range(step * 4, step * 4 + 4),
+        reassign_after_s=3600.0,
+    )
+    lost = work.acquire(worker_id="rollout-0")
+    other = work.acquire(worker_id="rollout-1")
+    assert work.holders() == {
+        "rollout-0": [(0, 0, 2)],
+        "rollout-1": [(0, 2, 2)],
+    }
+    again = work.acquire(worker_id="rollout-0")
+    assert again.kind is WorkKind.WORK and again.shard == lost.shard
+    assert work.counts.released_shards == 1 and work.counts.reassigned_shards == 0
+    assert work.deliver(batch_of(again)) is Delivery.ACCEPTED
+    assert work.deliver(batch_of(lost)) is Delivery.REFUSED  # the same rows once only
+    assert work.deliver(batch_of(other)) is Delivery.ACCEPTED
+    assert len(work.wait_step(0, timeout_s=1.0)) == 2 and work.missing(0) == []
+    assert work.holders() == {} and work.counts.accepted_rows == 4
+
+
+# ---- slow: a running job --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def phases(tmp_path_factory):
+    """Finished teacher and warm-up runs, shared by every job below (copied in)."""
+    from distill import pipeline
+
+    root = tmp_path_factory.mktemp("phases")
+    job = job_with()
+    pipeline.train_teacher(job, root / "teacher", progress=False, log=lambda _: None)
+    pipeline.warmup_student(job, root / "student", progress=False, log=lambda _: None)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One embedded Ray on loopback for this module, in its own temp dir."""
+    import ray
+
+    from services.cluster.placement import start_ray
+
+    temp = Path("/tmp") / f"distill-faults-{os.getpid()}"
+    start_ray(None, job_with().cluster, temp)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def fresh_run(phases: Path, path: Path) -> Path:
+    for name in ("teacher", "student"):
+        shutil.copytree(phases / name, path / name)
+    return path
+
+
+class RunningJob:
+    """``run_job`` on a thread, with handles to reach its actors while it runs."""
+
+    def __init__(self, job: JobSpec, run: Path):
+        from services.jobs.driver import run_job
+
+        self.run = run
+        self.result = None
+        self.error: BaseException | None = None
+
+        def target():
+            try:
+                self.result = run_job(job, run, progress=False, log=lambda _: None)
+            except BaseException as error:
+                self.error = error
+
+        self.thread = threading.Thread(target=target, name="job")
+        self.thread.start()
+
+    def actor(self, role: str):
+        """The actor ``role`` (e.g. ``rollout-0``), waiting until the job has placed it."""
+        import ray
+
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            self.check_running(f"actor {role} to be placed")
+            try:
+                return ray.get_actor(actor_name(self.run, role))
+            except ValueError:
+                assert time.monotonic() < deadline, f"timed out waiting for actor {role}"
+                time.sleep(0.2)
+
+    def call(self, role: str, method: str, what: str):
+        import ray
+
+        try:
+            return ray.get(getattr(self.actor(role), method).remote(), timeout=WAIT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise AssertionError(f"timed out after {WAIT_S:.0f} s waiting for {what}") from None
+
+    def status(self) -> dict:
+        return self.call("learner", "status", "the learner's status")
+
+    def wait_status(self, condition, what: str) -> dict:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            self.check_running(what)
+            status = self.status()
+            if status and condition(status):
+                return status
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {status}"
+            time.sleep(0.05)
+
+    def check_running(self, what: str) -> None:
+        if not self.thread.is_alive():
+            raise AssertionError(f"the job ended while waiting for {what}: {self.error!r}")
+
+    def finish(self, what: str = "the job to finish"):
+        self.thread.join(WAIT_S * 2)
+        assert not self.thread.is_alive(), f"timed out waiting for {what}"
+        return self.result, self.error
+
+
+def new_pid(job: RunningJob, role: str, old: int) -> tuple[int, float]:
+    """The pid of ``role`` once Ray has restarted it, and the seconds that took."""
+    started = time.monotonic()
+    deadline = started + WAIT_S
+    while True:
+        pid = job.call(role, "pid", f"{role} to answer")
+        if pid != old:
+            return pid, time.monotonic() - started
+        assert time.monotonic() < deadline, f"timed out waiting for {role} to restart"
+        time.sleep(0.2)
+
+
+def signal_pid(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.kill(pid, signum)
+
+
+def ledger(run: Path) -> list[list[int]]:
+    """The data ledger of the newest OPD checkpoint."""
+    steps = [int(p.name) for p in (run / "opd" / "checkpoints").iterdir() if p.name.isdigit()]
+    metadata = run / "opd" / "checkpoints" / str(max(steps)) / "progress" / "metadata"
+    progress = json.loads(metadata.read_text())
+    assert progress["policy_version"] == max(steps) == STEPS
+    return progress["ledger"]
+
+
+def rows_per_step(job: JobSpec) -> int:
+    return job.data.batch_size * job.loss.group_size
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_killed_mid_rollout_is_restarted_and_every_sample_trains_once(
+    phases, ray_session, tmp_path
+):
+    job = job_with()
+    running = RunningJob(job, fresh_run(phases, tmp_path / "run"))
+    pid = running.call("rollout-0", "pid", "the rollout worker's pid")
+    running.wait_status(lambda s: s["step"] >= 1, "step 1 to train")
+    # Freeze the worker; kill it once it holds a shard (between AcquireWork and the end of
+    # its PushTraces: mid-rollout), else let it go on and try again.
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        signal_pid(pid, signal.SIGSTOP)
+        if "rollout-0" in running.status()["assigned"]:
+            signal_pid(pid, signal.SIGKILL)
+            break
+        signal_pid(pid, signal.SIGCONT)
+        assert time.monotonic() < deadline, "timed out waiting for rollout-0 to hold a shard"
+        time.sleep(0.05)
+    _, restart_s = new_pid(running, "rollout-0", pid)
+    result, error = running.finish()
+    assert error is None, error
+    status = result.status
+    assert status["step"] == STEPS and status["error"] == ""
+    assert status["released_shards"] >= 1  # the lost shard went out again at once
+    assert status["accepted_rows"] == STEPS * rows_per_step(job)  # none accepted twice
+    assert ledger(running.run) == [[0, STEPS * BATCH]]
+    print(f"rollout worker restarted in {restart_s:.1f} s")
+
+
+@pytest.mark.slow
+def test_the_only_teacher_replica_killed_mid_request_comes_back_and_nothing_is_lost(
+    phases, ray_session, tmp_path
+):
+    job = job_with()
+    running = RunningJob(job, fresh_run(phases, tmp_path / "run"))
+    pid = running.call("teacher-0", "pid", "the teacher replica's pid")
+    running.wait_status(lambda s: s["step"] >= 1, "step 1 to train")
+    # Freeze the replica; once the learner waits on it (a request in flight), kill it.
+    signal_pid(pid, signal.SIGSTOP)
+    try:
+        running.wait_status(lambda s: s["stage"] == "teacher", "a teacher call in flight")
+    finally:
+        signal_pid(pid, signal.SIGKILL)
+    _, restart_s = new_pid(running, "teacher-0", pid)
+    result, error = running.finish()
+    assert error is None, error
+    status = result.status
+    assert status["step"] == STEPS and status["error"] == ""
+    # The outage discarded no finished rollout and made none again.
+    assert status["dropped_stale_rows"] == status["refused_rows"] == 0
+    assert status["released_shards"] == status["reassigned_shards"] == 0
+    assert status["accepted_rows"] == STEPS * rows_per_step(job)
+    assert ledger(running.run) == [[0, STEPS * BATCH]]
+    assert max(m["teacher_seconds"] for m in result.history) >= 1.0  # waited out the restart
+    print(f"teacher replica restarted in {restart_s:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_teacher_replica_gone_for_good_fails_the_job_naming_it(phases, ray_session, tmp_path):
+    running = RunningJob(
+        job_with("cluster.teacher.max_restarts=0"), fresh_run(phases, tmp_path / "run")
+    )
+    pid = running.call("teacher-0", "pid", "the teacher replica's pid")
+    running.wait_status(lambda s: s["step"] >= 1, "step 1 to train")
+    signal_pid(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    _, error = running.finish("the job to fail")
+    assert isinstance(error, JobFailed), error
+    assert str(error).startswith("teacher replica 0 failed: ")
+    assert time.monotonic() - killed < 60.0  # bounded: the driver watches the replica
+
+
+@pytest.mark.slow
+def test_a_hung_teacher_trips_the_watchdog_naming_the_stage(phases, ray_session, tmp_path):
+    # The limit must exceed the first step (evaluation and compiles: ~20-40 s here).
+    limit_s = 60
+    running = RunningJob(
+        job_with(f"cluster.watchdog_s={limit_s}", "cluster.teacher_timeout_s=600"),
+        fresh_run(phases, tmp_path / "run"),
+    )
+    pid = running.call("teacher-0", "pid", "the teacher replica's pid")
+    running.wait_status(lambda s: s["step"] >= 1, "step 1 to train")
+    signal_pid(pid, signal.SIGSTOP)  # alive, connected, never answering
+    stopped = time.monotonic()
+    try:
+        _, error = running.finish("the watchdog to fail the job")
+    finally:
+        signal_pid(pid, signal.SIGKILL)
+    assert isinstance(error, JobFailed), error
+    message = str(error)
+    assert message.startswith(f"`watchdog`: no step completed in {limit_s} s (cluster.watchdog_s;")
+    assert "stalled in teacher: step " in message and "waits for the teacher" in message
+    assert time.monotonic() - stopped < limit_s + 60.0  # the limit plus the driver's polling
+
+
+@pytest.mark.slow
+def test_the_learner_killed_between_checkpoints_fails_naming_it_and_a_rerun_trains_each_sample_once(
+    phases, ray_session, tmp_path
+):
+    job = job_with()
+    run = fresh_run(phases, tmp_path / "run")
+    running = RunningJob(job, run)
+    pid = running.call("learner", "pid", "the learner's pid")
+    running.wait_status(lambda s: s["step"] >= 3, "step 3 to train (after checkpoint 2)")
+    signal_pid(pid, signal.SIGKILL)
+    _, error = running.finish("the job to fail")
+    assert isinstance(error, JobFailed) and str(error).startswith("the learner failed: "), error
+    checkpoints = {int(p.name) for p in (run / "opd" / "checkpoints").iterdir() if p.name.isdigit()}
+    assert 2 in checkpoints and STEPS not in checkpoints
+    rerun = RunningJob(job, run)
+    result, error = rerun.finish("the rerun to finish")
+    assert error is None, error
+    assert result.status["step"] == STEPS
+    assert ledger(run) == [[0, STEPS * BATCH]]
