@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cservices/proto/teacher.proto\x12\ndistill.v1\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc3\x01\n\x0cScoreRequest\x12,\n\tsequences\x18\x01 \x03(\x0b\x32\x19.distill.v1.TokenSequence\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x30\n\rshared_prompt\x18\x03 \x01(\x0b\x32\x19.distill.v1.TokenSequence\x12\x12\n\ncandidates\x18\x04 \x01(\x05\x12\x30\n\rcandidate_ids\x18\x05 \x03(\x0b\x32\x19.distill.v1.TokenSequence\"h\n\x0eSequenceScores\x12\x11\n\tlog_probs\x18\x01 \x03(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x15\n\rtop_log_probs\x18\x03 \x03(\x02\x12\x1b\n\x13\x63\x61ndidate_log_probs\x18\x04 \x03(\x02\"a\n\rScoreResponse\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.distill.v1.SequenceScores\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\ncandidates\x18\x03 \x01(\x05\".\n\x08TextPair\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\"7\n\x10ScoreTextRequest\x12#\n\x05pairs\x18\x01 \x03(\x0b\x32\x14.distill.v1.TextPair\"2\n\nTextScores\x12\x11\n\tlog_probs\x18\x01 \x03(\x02\x12\x11\n\tbyte_ends\x18\x02 \x03(\x05\";\n\x11ScoreTextResponse\x12&\n\x06scores\x18\x01 \x03(\x0b\x32\x16.distill.v1.TextScores\"\r\n\x0bInfoRequest\"\x84\x02\n\x0cInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0e\n\x06pad_id\x18\x02 \x01(\x05\x12\x0e\n\x06\x62os_id\x18\x03 \x01(\x05\x12\x0f\n\x07mask_id\x18\x04 \x01(\x05\x12\x10\n\x08stop_ids\x18\x05 \x03(\x05\x12\x16\n\x0etokenizer_hash\x18\x06 \x01(\t\x12\x12\n\nmodel_hash\x18\x07 \x01(\t\x12\x12\n\nmax_length\x18\x08 \x01(\x05\x12\x16\n\x0etokenizer_kind\x18\t \x01(\t\x12\x15\n\rtop_k_buckets\x18\n \x03(\x05\x12\x19\n\x11\x63\x61ndidate_buckets\x18\x0b \x03(\x05\x12\x13\n\x0bscores_text\x18\x0c \x01(\x08\x32\xd3\x01\n\x0eTeacherService\x12<\n\x05Score\x12\x18.distill.v1.ScoreRequest\x1a\x19.distill.v1.ScoreResponse\x12H\n\tScoreText\x12\x1c.distill.v1.ScoreTextRequest\x1a\x1d.distill.v1.ScoreTextResponse\x12\x39\n\x04Info\x12\x17.distill.v1.InfoRequest\x1a\x18.distill.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cservices/proto/teacher.proto\x12\ndistill.v1\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc3\x01\n\x0cScoreRequest\x12,\n\tsequences\x18\x01 \x03(\x0b\x32\x19.distill.v1.TokenSequence\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x30\n\rshared_prompt\x18\x03 \x01(\x0b\x32\x19.distill.v1.TokenSequence\x12\x12\n\ncandidates\x18\x04 \x01(\x05\x12\x30\n\rcandidate_ids\x18\x05 \x03(\x0b\x32\x19.distill.v1.TokenSequence\"h\n\x0eSequenceScores\x12\x11\n\tlog_probs\x18\x01 \x03(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x15\n\rtop_log_probs\x18\x03 \x03(\x02\x12\x1b\n\x13\x63\x61ndidate_log_probs\x18\x04 \x03(\x02\"a\n\rScoreResponse\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.distill.v1.SequenceScores\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\ncandidates\x18\x03 \x01(\x05\"?\n\x08TextPair\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\x12\x0f\n\x07stopped\x18\x03 \x01(\x08\"7\n\x10ScoreTextRequest\x12#\n\x05pairs\x18\x01 \x03(\x0b\x32\x14.distill.v1.TextPair\"q\n\nTextScores\x12\x11\n\tlog_probs\x18\x01 \x03(\x02\x12\x11\n\tbyte_ends\x18\x02 \x03(\x05\x12\x1a\n\rstop_log_prob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07refusal\x18\x04 \x01(\tB\x10\n\x0e_stop_log_prob\";\n\x11ScoreTextResponse\x12&\n\x06scores\x18\x01 \x03(\x0b\x32\x16.distill.v1.TextScores\"\r\n\x0bInfoRequest\"\x84\x02\n\x0cInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0e\n\x06pad_id\x18\x02 \x01(\x05\x12\x0e\n\x06\x62os_id\x18\x03 \x01(\x05\x12\x0f\n\x07mask_id\x18\x04 \x01(\x05\x12\x10\n\x08stop_ids\x18\x05 \x03(\x05\x12\x16\n\x0etokenizer_hash\x18\x06 \x01(\t\x12\x12\n\nmodel_hash\x18\x07 \x01(\t\x12\x12\n\nmax_length\x18\x08 \x01(\x05\x12\x16\n\x0etokenizer_kind\x18\t \x01(\t\x12\x15\n\rtop_k_buckets\x18\n \x03(\x05\x12\x19\n\x11\x63\x61ndidate_buckets\x18\x0b \x03(\x05\x12\x13\n\x0bscores_text\x18\x0c \x01(\x08\x32\xd3\x01\n\x0eTeacherService\x12<\n\x05Score\x12\x18.distill.v1.ScoreRequest\x1a\x19.distill.v1.ScoreResponse\x12H\n\tScoreText\x12\x1c.distill.v1.ScoreTextRequest\x1a\x1d.distill.v1.ScoreTextResponse\x12\x39\n\x04Info\x12\x17.distill.v1.InfoRequest\x1a\x18.distill.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORERESPONSE']._serialized_start=378
   _globals['_SCORERESPONSE']._serialized_end=475
   _globals['_TEXTPAIR']._serialized_start=477
-  _globals['_TEXTPAIR']._serialized_end=523
-  _globals['_SCORETEXTREQUEST']._serialized_start=525
-  _globals['_SCORETEXTREQUEST']._serialized_end=580
-  _globals['_TEXTSCORES']._serialized_start=582
-  _globals['_TEXTSCORES']._serialized_end=632
-  _globals['_SCORETEXTRESPONSE']._serialized_start=634
-  _globals['_SCORETEXTRESPONSE']._serialized_end=693
-  _globals['_INFOREQUEST']._serialized_start=695
-  _globals['_INFOREQUEST']._serialized_end=708
-  _globals['_INFORESPONSE']._serialized_start=711
-  _globals['_INFORESPONSE']._serialized_end=971
-  _globals['_TEACHERSERVICE']._serialized_start=974
-  _globals['_TEACHERSERVICE']._serialized_end=1185
+  _globals['_TEXTPAIR']._serialized_end=540
+  _globals['_SCORETEXTREQUEST']._serialized_start=542
+  _globals['_SCORETEXTREQUEST']._serialized_end=597
+  _globals['_TEXTSCORES']._serialized_start=599
+  _globals['_TEXTSCORES']._serialized_end=712
+  _globals['_SCORETEXTRESPONSE']._serialized_start=714
+  _globals['_SCORETEXTRESPONSE']._serialized_end=773
+  _globals['_INFOREQUEST']._serialized_start=775
+  _globals['_INFOREQUEST']._serialized_end=788
+  _globals['_INFORESPONSE']._serialized_start=791
+  _globals['_INFORESPONSE']._serialized_end=1051
+  _globals['_TEACHERSERVICE']._serialized_start=1054
+  _globals['_TEACHERSERVICE']._serialized_end=1265
 # @@protoc_insertion_point(module_scope)

@@ -49,12 +49,14 @@ class ScoreResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceScores, _Mapping]]] = ..., top_k: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class TextPair(_message.Message):
-    __slots__ = ("prompt", "completion")
+    __slots__ = ("prompt", "completion", "stopped")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     completion: str
-    def __init__(self, prompt: _Optional[str] = ..., completion: _Optional[str] = ...) -> None: ...
+    stopped: bool
+    def __init__(self, prompt: _Optional[str] = ..., completion: _Optional[str] = ..., stopped: _Optional[bool] = ...) -> None: ...
 
 class ScoreTextRequest(_message.Message):
     __slots__ = ("pairs",)
@@ -63,12 +65,16 @@ class ScoreTextRequest(_message.Message):
     def __init__(self, pairs: _Optional[_Iterable[_Union[TextPair, _Mapping]]] = ...) -> None: ...
 
 class TextScores(_message.Message):
-    __slots__ = ("log_probs", "byte_ends")
+    __slots__ = ("log_probs", "byte_ends", "stop_log_prob", "refusal")
     LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     BYTE_ENDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_LOG_PROB_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     log_probs: _containers.RepeatedScalarFieldContainer[float]
     byte_ends: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, log_probs: _Optional[_Iterable[float]] = ..., byte_ends: _Optional[_Iterable[int]] = ...) -> None: ...
+    stop_log_prob: float
+    refusal: str
+    def __init__(self, log_probs: _Optional[_Iterable[float]] = ..., byte_ends: _Optional[_Iterable[int]] = ..., stop_log_prob: _Optional[float] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class ScoreTextResponse(_message.Message):
     __slots__ = ("scores",)

@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from distill.cross_tokenizer import TextScores
 from distill.teacher_contract import ScoredSequence, TeacherInfo
 from services.proto import teacher_pb2
 
@@ -105,3 +106,26 @@ def scored_from_proto(
             message, "candidate_log_probs", positions, candidates, np.float32
         )
     return ScoredSequence(log_probs=log_probs, **fields)
+
+
+def text_scores_to_proto(scores: TextScores) -> teacher_pb2.TextScores:
+    message = teacher_pb2.TextScores(
+        log_probs=np.asarray(scores.log_probs, np.float32).tolist(),
+        byte_ends=np.asarray(scores.byte_ends, np.int64).tolist(),
+        refusal=scores.refusal or "",
+    )
+    if scores.stop_log_prob is not None:
+        message.stop_log_prob = scores.stop_log_prob
+    return message
+
+
+def text_scores_from_proto(message: teacher_pb2.TextScores) -> TextScores:
+    """A :class:`TextScores`; raises ``ValueError`` naming the field when the server's
+    answer is inconsistent."""
+    if message.refusal:
+        return TextScores.refused(message.refusal)
+    return TextScores(
+        np.array(message.log_probs, np.float32),
+        np.array(message.byte_ends, np.int64),
+        stop_log_prob=message.stop_log_prob if message.HasField("stop_log_prob") else None,
+    )

@@ -49,14 +49,16 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field, model_validator
 
-from distill.teacher_contract import Teacher, TeacherInfo, check_sequences
+from distill.cross_tokenizer import CrossTokenizerTeacher, check_text_pairs
+from distill.teacher_contract import ScoredSequence, Teacher, TeacherInfo, check_sequences
+from distill.tokenizer import Tokenizer
 from services.common.config import ServerConfig, config_error, is_loopback, split_address
 from services.common.metrics import MetricsEndpoint, RpcMetrics, serve_metrics
 from services.common.server import AsyncRunningServer, start_aio_server
 from services.common.status import StatusError, Unavailable, reason_of, status_of
 from services.proto import teacher_pb2, teacher_pb2_grpc
 from services.teacher.batching import BatcherStats, DynamicBatcher
-from services.teacher.messages import info_to_proto, scored_to_proto
+from services.teacher.messages import info_to_proto, scored_to_proto, text_scores_to_proto
 
 #: Full gRPC name of the service, as health and reflection report it.
 SERVICE_NAME = teacher_pb2.DESCRIPTOR.services_by_name["TeacherService"].full_name
@@ -85,7 +87,9 @@ class TeacherServerConfig(ServerConfig):
     largest body accepted (``max_receive_bytes``) follows from them. At most
     ``max_queue_requests`` requests wait; more are refused with ``UNAVAILABLE`` (retry
     later). ``method_limits``: concurrency limits by full method name over the defaults of
-    :data:`services.common.server.DEFAULT_METHOD_LIMITS`. ``metrics_address``: ``host:port``
+    :data:`services.common.server.DEFAULT_METHOD_LIMITS`. ``warm_shared_prompts``: the
+    warm-up also compiles the shared-prompt shapes (many more; without it the first
+    shared-prompt request of each shape compiles). ``metrics_address``: ``host:port``
     of the Prometheus endpoint (off when unset; loopback unless ``metrics_public``). Every
     count is an int >= 1.
     """
@@ -100,6 +104,7 @@ class TeacherServerConfig(ServerConfig):
     max_request_text_bytes: int = Field(default=1 << 20, ge=1, strict=True)
     max_queue_requests: int = Field(default=1024, ge=1, strict=True)
     method_limits: dict[str, int] = Field(default_factory=dict)
+    warm_shared_prompts: bool = False
     metrics_address: str | None = None
     metrics_public: bool = False
 
@@ -354,6 +359,24 @@ def _score_items(teacher: Teacher, items: list[ScoreItem], variant: ScoreVariant
     return teacher.score_shared(np.asarray(variant.prompt, np.int32), ids, **options)
 
 
+class _BatchedTeacher:
+    """The served teacher as a blocking :class:`Teacher` whose calls go through the batcher
+    (so text scoring, run on a worker thread, shares batches with ``Score`` and the teacher
+    is still called from one thread only)."""
+
+    def __init__(self, servicer: TeacherServicer):
+        self._servicer = servicer
+
+    def info(self) -> TeacherInfo:
+        return self._servicer.info
+
+    def score(self, sequences, *, top_k=None) -> list[ScoredSequence]:
+        items = [ScoreItem(np.asarray(ids, np.int32), None, len(ids)) for ids in sequences]
+        # No timeout here: the caller's deadline is enforced where it waits (ScoreText),
+        # and a stopping batcher still scores or fails what it holds.
+        return self._servicer.batcher.submit(items, ScoreVariant(None, top_k or 0, 0)).result()
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException, failed: str = "handler"):
     await context.abort(status_of(error), reason_of(error, failed=failed))
 
@@ -363,7 +386,13 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
     calls on one worker thread. Call :meth:`close` after the server stopped
     (``serve_teacher`` does)."""
 
-    def __init__(self, teacher: Teacher, config: TeacherServerConfig, metrics: TeacherMetrics):
+    def __init__(
+        self,
+        teacher: Teacher,
+        config: TeacherServerConfig,
+        metrics: TeacherMetrics,
+        tokenizer: Tokenizer | None = None,
+    ):
         self.teacher = teacher
         self.config = config
         self.metrics = metrics
@@ -377,6 +406,11 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
         message = info_to_proto(self.info)
         message.top_k_buckets.extend(self.top_k_buckets or ())
         message.candidate_buckets.extend(self.candidate_buckets or ())
+        # Text scoring needs the teacher's own tokenizer (checked against its hash here).
+        self.text_teacher = (
+            None if tokenizer is None else CrossTokenizerTeacher(_BatchedTeacher(self), tokenizer)
+        )
+        message.scores_text = self.text_teacher is not None
         self._info_message = message
         self.batcher: DynamicBatcher = DynamicBatcher(
             lambda items, variant: _score_items(teacher, items, variant),
@@ -453,6 +487,81 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
             )
         return response
 
+    def _score_text(self, pairs: tuple[list[str], list[str], list[bool]]):
+        prompts, completions, stopped = pairs
+        return self.text_teacher.score_text(prompts, completions, stopped=stopped)
+
+    async def ScoreText(
+        self, request: teacher_pb2.ScoreTextRequest, context: grpc.aio.ServicerContext
+    ):
+        try:
+            if not self.ready:
+                raise Unavailable(
+                    "`teacher` must finish its warm-up before scoring; received a call during "
+                    "it: retry later"
+                )
+            if self.text_teacher is None:
+                raise StatusError(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    "`ScoreText` must be served with the teacher's tokenizer; this server has "
+                    "none (Info.scores_text is false)",
+                )
+            pairs = validate_text_request(request, self.config)
+        except Exception as error:
+            await _abort(context, error)
+        try:
+            # Tokenizing and waiting for the batch happen on a worker thread, off the loop.
+            results = await asyncio.wait_for(
+                asyncio.to_thread(self._score_text, pairs), context.time_remaining()
+            )
+        except TimeoutError:
+            await _abort(
+                context,
+                StatusError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "`deadline` must leave time to score the request; it passed while queued",
+                ),
+            )
+        except Exception as error:
+            await _abort(context, error, failed="teacher")
+        return teacher_pb2.ScoreTextResponse(
+            scores=[text_scores_to_proto(result) for result in results]
+        )
+
+
+def validate_text_request(
+    request: teacher_pb2.ScoreTextRequest, config: TeacherServerConfig
+) -> tuple[list[str], list[str], list[bool]]:
+    """``(prompts, completions, stopped)`` of a ``ScoreTextRequest``, or a
+    :class:`~services.common.status.StatusError`: at least one pair, at most
+    ``max_request_sequences`` pairs and ``max_request_text_bytes`` of text."""
+    count = len(request.pairs)
+    if count == 0:
+        raise StatusError(
+            grpc.StatusCode.INVALID_ARGUMENT, "`pairs` must hold at least one pair; received 0"
+        )
+    if count > config.max_request_sequences:
+        raise StatusError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"`pairs` must hold at most {config.max_request_sequences} pairs per request "
+            f"(server limit max_request_sequences); received {count}",
+        )
+    size = sum(len(pair.prompt.encode()) + len(pair.completion.encode()) for pair in request.pairs)
+    if size > config.max_request_text_bytes:
+        raise StatusError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"`pairs` must hold at most {config.max_request_text_bytes} bytes of text (server "
+            f"limit max_request_text_bytes); received {size}",
+        )
+    try:
+        return check_text_pairs(
+            [pair.prompt for pair in request.pairs],
+            [pair.completion for pair in request.pairs],
+            [pair.stopped for pair in request.pairs],
+        )
+    except ValueError as error:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+
 
 @dataclasses.dataclass
 class TeacherServer:
@@ -499,13 +608,21 @@ class TeacherServer:
         self.stop()
 
 
-def serve_teacher(teacher: Teacher, config: TeacherServerConfig | None = None) -> TeacherServer:
+def serve_teacher(
+    teacher: Teacher,
+    config: TeacherServerConfig | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+) -> TeacherServer:
     """Serve ``teacher`` on ``config.address`` (default ``127.0.0.1:0``: loopback, a free
     port) until ``stop()``. Health reports ``NOT_SERVING`` while the teacher's ``warm_up()``
-    (when it has one) compiles every bucketed shape, then ``SERVING``; returns after that."""
+    (when it has one) compiles every bucketed shape, then ``SERVING``; returns after that.
+    ``ScoreText`` is served with ``tokenizer`` (default: the teacher's ``tokenizer``
+    attribute, as an ``InProcessTeacher`` has)."""
     config = TeacherServerConfig() if config is None else config
     metrics = TeacherMetrics()
-    servicer = TeacherServicer(teacher, config, metrics)
+    tokenizer = getattr(teacher, "tokenizer", None) if tokenizer is None else tokenizer
+    servicer = TeacherServicer(teacher, config, metrics, tokenizer)
     try:
         running = start_aio_server(
             config,
@@ -526,7 +643,7 @@ def serve_teacher(teacher: Teacher, config: TeacherServerConfig | None = None) -
         warm_up = getattr(teacher, "warm_up", None)
         if warm_up is not None:
             # On this thread: Score refuses calls until it ends (servicer.ready).
-            warm_up()
+            warm_up(**({"shared": True} if config.warm_shared_prompts else {}))
         servicer.ready = True
         if config.metrics_address is not None:
             server.metrics_endpoint = serve_metrics(metrics.registry, config.metrics_address)
