@@ -31,26 +31,16 @@ from distill.teacher import InProcessTeacher
 from services.cluster.placement import start_ray
 from services.common.config import JobSpec
 from services.jobs.driver import run_job
+from tests.support.fakes import TINY_MODELS, TINY_PHASES, set_args
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = [
-    "teacher.d_model=32",
-    "teacher.d_ff=64",
-    "student.d_model=32",
-    "student.d_ff=64",
-    "student_init=scratch",
-    "data.batch_size=4",
-    "teacher_training.steps=2",
-    "teacher_training.optimizer.warmup_steps=1",
-    "teacher_training.eval_examples=2",
-    "student_warmup.steps=2",
-    "student_warmup.optimizer.warmup_steps=1",
-    "student_warmup.eval_examples=2",
+    *TINY_MODELS,
+    *TINY_PHASES,
     "opd.steps=4",
     "opd.checkpoint_every=2",
-    "opd.eval_examples=2",
     "loss.max_staleness=0",
     "cluster.record_traces=true",
     "cluster.step_timeout_s=300",
@@ -181,7 +171,7 @@ def test_two_workers_and_two_teacher_replicas_match_within_tolerance(
 def test_sigkill_mid_run_and_rerun_trains_every_sample_exactly_once(phases, in_process, tmp_path):
     local, _ = in_process
     run = fresh_run(phases, tmp_path / "run")
-    sets = [part for override in OVERRIDES for part in ("--set", override)]
+    sets = set_args(*OVERRIDES)
     sets += ["--set", "cluster.rollout.count=1"]
     command = [
         sys.executable,

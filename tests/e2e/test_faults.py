@@ -39,26 +39,17 @@ from distill.config import load_config
 from services.common.config import JobSpec
 from services.jobs.driver import JobFailed, Watchdog, actor_name
 from services.learner.scheduler import Delivery, WorkKind, WorkScheduler
+from tests.support.fakes import TINY_MODELS, TINY_PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 BATCH = 4
 OVERRIDES = [
-    "teacher.d_model=32",
-    "teacher.d_ff=64",
-    "student.d_model=32",
-    "student.d_ff=64",
-    "student_init=scratch",
+    *TINY_MODELS,
+    *TINY_PHASES,
     f"data.batch_size={BATCH}",
-    "teacher_training.steps=2",
-    "teacher_training.optimizer.warmup_steps=1",
-    "teacher_training.eval_examples=2",
-    "student_warmup.steps=2",
-    "student_warmup.optimizer.warmup_steps=1",
-    "student_warmup.eval_examples=2",
     f"opd.steps={STEPS}",
     "opd.checkpoint_every=2",
-    "opd.eval_examples=2",
     "cluster.rollout.count=2",
     "cluster.teacher.count=1",
     "cluster.step_timeout_s=300",

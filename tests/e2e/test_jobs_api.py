@@ -16,26 +16,12 @@ import pytest
 
 from services import cli
 from services.jobs import api
+from tests.support.fakes import TINY_MODELS, TINY_PHASES, set_args
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = [
-    "teacher.d_model=32",
-    "teacher.d_ff=64",
-    "student.d_model=32",
-    "student.d_ff=64",
-    "student_init=scratch",
-    "data.batch_size=4",
-    "teacher_training.steps=2",
-    "teacher_training.optimizer.warmup_steps=1",
-    "teacher_training.eval_examples=2",
-    "student_warmup.steps=2",
-    "student_warmup.optimizer.warmup_steps=1",
-    "student_warmup.eval_examples=2",
-    "opd.eval_examples=2",
-    "cluster.rollout.count=1",
-]
+TINY = [*TINY_MODELS, *TINY_PHASES, "cluster.rollout.count=1"]
 
 
 def free_port():
@@ -95,7 +81,7 @@ def cluster():
 
 
 def submit(address, run, *overrides, job_id):
-    sets = [part for override in (*TINY, *overrides) for part in ("--set", override)]
+    sets = set_args(*TINY, *overrides)
     args = ["submit", str(ROOT / "deploy/configs/tiny.yaml"), "--run-dir", str(run)]
     assert cli.main([*args, "--address", address, "--job-id", job_id, *sets]) == 0
     return job_id

@@ -14,24 +14,10 @@ from distill.config import JobConfig, load_config
 from distill.teacher import InProcessTeacher, model_hash
 from services import cli
 from services.teacher.server import serve_teacher
+from tests.support.fakes import TINY_MODELS, TINY_PHASES, set_args
 
-OVERRIDES = [
-    "teacher.d_model=32",
-    "teacher.d_ff=64",
-    "student.d_model=32",
-    "student.d_ff=64",
-    "student_init=scratch",
-    "data.batch_size=4",
-    "teacher_training.steps=2",
-    "teacher_training.optimizer.warmup_steps=1",
-    "teacher_training.eval_examples=2",
-    "student_warmup.steps=2",
-    "student_warmup.optimizer.warmup_steps=1",
-    "student_warmup.eval_examples=2",
-    "opd.steps=2",
-    "opd.eval_examples=2",
-]
-SETS = [part for override in OVERRIDES for part in ("--set", override)]
+OVERRIDES = [*TINY_MODELS, *TINY_PHASES, "opd.steps=2"]
+SETS = set_args(*OVERRIDES)
 
 
 def opd_params(job, run_dir, start):

@@ -21,17 +21,32 @@ from services.common.config import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The tiny job: deploy/configs/tiny.yaml shrunk to seconds per step on one core.
-TINY_OVERRIDES = (
+#: Tiny models for deploy/configs/tiny.yaml: seconds per step on one core.
+TINY_MODELS = (
     "teacher.d_model=32",
     "teacher.d_ff=64",
     "student.d_model=32",
     "student.d_ff=64",
     "student_init=scratch",
     "data.batch_size=4",
-    "opd.steps=4",
+)
+#: The teacher-training and student warm-up phases cut to two steps each (whole jobs).
+TINY_PHASES = (
+    "teacher_training.steps=2",
+    "teacher_training.optimizer.warmup_steps=1",
+    "teacher_training.eval_examples=2",
+    "student_warmup.steps=2",
+    "student_warmup.optimizer.warmup_steps=1",
+    "student_warmup.eval_examples=2",
     "opd.eval_examples=2",
 )
+#: The tiny job of the library-level tests: tiny models, four OPD steps.
+TINY_OVERRIDES = (*TINY_MODELS, "opd.steps=4", "opd.eval_examples=2")
+
+
+def set_args(*overrides: str) -> list[str]:
+    """``--set`` arguments of a ``distill`` command for ``overrides``."""
+    return [part for override in overrides for part in ("--set", override)]
 
 
 def tiny_job(*overrides: str) -> JobSpec:
