@@ -15,6 +15,9 @@ or reaches gRPC services on the configured host.
   weights to the Ray object store (:meth:`LearnerActor.weights` hands out the reference).
   Threaded, so weight and status calls are served while :meth:`LearnerActor.run` trains.
 - :class:`RolloutWorkerActor`: a :class:`~services.rollout.worker.RolloutWorker`.
+- :class:`TeacherSliceHost`, :class:`LearnerSliceHost`, :class:`RolloutSliceHost`: one
+  host each of a role placed on a TPU slice (``cluster.<role>.slice``): every host joins the
+  role's ``jax.distributed`` world, host 0 runs the role and is its endpoint.
 """
 
 from __future__ import annotations
@@ -349,3 +352,69 @@ class RolloutWorkerActor:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+
+class _SliceHost:
+    """One host of a role placed on a TPU slice (``cluster.<role>.slice``; see
+    :func:`services.cluster.tpu.place_slice`): mixed in before the role's class.
+
+    Every host joins the role's ``jax.distributed`` world in its constructor
+    (:func:`services.cluster.tpu.join_world`: process id = the host's TPU worker id,
+    worker 0 the coordinator) and brings the TPU backend up. Host 0 is the role's endpoint:
+    it alone builds the role (its gRPC server, its Ray methods) and the driver and the other
+    roles talk only to it. The role's program is still single-process: host 0 runs it on its
+    own first chip, unsharded; the other hosts are members of the world that hold their
+    chips and wait (:meth:`hold`) -- nothing is sharded across the slice's hosts yet. Code
+    that synchronizes the whole world (Orbax's checkpoint manager does) would wait for hosts
+    that never come, which is why the job config allows the teacher and the learner only
+    single-host slices (a one-process world)."""
+
+    def __init__(self, job: dict[str, Any], *args: Any, **kwargs: Any):
+        from services.cluster.tpu import join_world
+
+        _configure_cpu_threads(None)  # before JAX is imported here
+        self.world = join_world(timeout_s=_job(job).cluster.start_timeout_s)
+        self.endpoint = self.world["process_id"] == 0
+        self._held = threading.Event()
+        if self.endpoint:
+            super().__init__(job, *args, **kwargs)
+
+    def world_info(self) -> dict[str, Any]:
+        """Who this process is in its world (``join_world``'s answer), where it runs
+        (``node_id``, the node's TPU labels, ``TPU_WORKER_ID``), and ``endpoint``."""
+        import ray
+
+        context = ray.get_runtime_context()
+        labels = context.get_node_labels()
+        return {
+            **self.world,
+            "endpoint": self.endpoint,
+            "node_id": context.get_node_id(),
+            "node_slice_name": labels.get("ray.io/tpu-slice-name"),
+            "node_worker_id": labels.get("ray.io/tpu-worker-id"),
+            "tpu_worker_id_env": os.environ.get("TPU_WORKER_ID"),
+            "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+            "pid": os.getpid(),
+        }
+
+    def hold(self) -> None:
+        """Return only when :meth:`release_hold` is called: the driver watches this call on
+        every host but the endpoint, so a host that dies ends the job naming it."""
+        while not self._held.wait(60.0):
+            pass
+
+    def release_hold(self) -> None:
+        self._held.set()
+
+
+class TeacherSliceHost(_SliceHost, TeacherReplica):
+    """A host of a teacher replica placed on a TPU slice (host 0 serves)."""
+
+
+class LearnerSliceHost(_SliceHost, LearnerActor):
+    """A host of the learner placed on a TPU slice (host 0 trains and serves)."""
+
+
+class RolloutSliceHost(_SliceHost, RolloutWorkerActor):
+    """A host of a rollout worker group ("student slice") placed on a TPU slice (host 0
+    acquires work from the learner and pushes traces)."""

@@ -5,7 +5,10 @@ The embedded Ray binds loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, n
 127.0.0.1, no dashboard), keeps usage stats off, and announces as many logical CPUs as the
 job's actors ask for (a laptop oversubscribes its cores rather than refusing to place).
 On a TPU cluster a role's ``resources`` names the slice resource (e.g.
-``{"TPU-v5e-8-head": 1}``) so each actor lands on its own slice host.
+``{"TPU-v5e-8-head": 1}``) so each actor lands on its own slice host; a role with
+``slice`` set is placed on whole slices by :mod:`services.cluster.tpu` instead (the driver's
+``place_role``), and these options then only carry its ``runtime_env``, ``max_concurrency``
+and ``max_restarts``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ whole, and each of its hosts runs exactly one JAX process that owns all the host
 4. **Its JAX identity.** Actor *i* gets ``process_id = i`` (the host's ``TPU_WORKER_ID``),
    ``num_processes = hosts`` and ``coordinator_address = <worker 0's IP>:<port>`` as
    environment variables; inside the actor :func:`jax_distributed_kwargs` turns them into
-   the keywords of ``jax.distributed.initialize``.
+   the keywords of ``jax.distributed.initialize`` and :func:`join_world` joins the world.
 
 Ray's own ``ray.util.tpu.SlicePlacementGroup`` reserves a slice the same way, but learns the
 slice name by running a task on worker 0 that reads ``TPU_NAME`` (or the GCE metadata
@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from distill.config import ConfigModel
 
@@ -97,12 +97,16 @@ class SliceRequest(ConfigModel):
     """One whole TPU slice for a role: ``accelerator_type`` (``v4``, ``v5p``, ``v5e``,
     ``v6e``; case-insensitive, ``TPU-`` prefix and ``v5litepod`` accepted) and ``topology``
     (chips along each axis: ``AxB`` for v5e/v6e, ``AxBxC`` for v4/v5p).
+    ``coordinator_port``: the port worker 0 of the role's ``jax.distributed`` world serves
+    the coordination service on (JAX's TPU default, 8476; only roles whose slices share a
+    machine, as in tests, need different ones).
 
     Derived: :attr:`chips`, :attr:`chips_per_host`, :attr:`hosts`, :attr:`pod_type`
     (the name in ``TPU-<pod type>-head``) and :attr:`head_resource`."""
 
     accelerator_type: str
     topology: str
+    coordinator_port: int = Field(default=DEFAULT_COORDINATOR_PORT, ge=1, le=65535, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -253,6 +257,41 @@ def jax_distributed_kwargs(environ: Mapping[str, str] | None = None) -> dict[str
     }
 
 
+def join_world(
+    timeout_s: float = 300.0, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Inside a host actor started by :func:`place_slice`: join the role's
+    ``jax.distributed`` world and bring its backend up; returns who this process is
+    (``process_id``, ``num_processes``, ``coordinator_address``, ``slice_name``, ``role``,
+    ``process_index`` / ``process_count`` as JAX sees them, ``local_devices``,
+    ``global_devices``, ``platform``).
+
+    Worker 0 binds the coordination service on its own address (never every interface);
+    every host waits at most ``timeout_s`` for the others. Bringing the backend up
+    (``jax.devices()``) is itself a step every process of the world must take, so each host
+    takes it here, in its constructor, and :func:`place_slice` returns only once all have."""
+    environ = os.environ if environ is None else environ
+    kwargs = jax_distributed_kwargs(environ)
+    import jax
+
+    if kwargs["process_id"] == 0:
+        kwargs["coordinator_bind_address"] = kwargs["coordinator_address"]
+    jax.distributed.initialize(**kwargs, initialization_timeout=max(1, int(timeout_s)))
+    devices = jax.devices()
+    return {
+        "process_id": kwargs["process_id"],
+        "num_processes": kwargs["num_processes"],
+        "coordinator_address": kwargs["coordinator_address"],
+        "slice_name": environ.get(ENV_SLICE_NAME, ""),
+        "role": environ.get(ENV_ROLE, ""),
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_devices": len(jax.local_devices()),
+        "global_devices": len(devices),
+        "platform": devices[0].platform,
+    }
+
+
 class SlicePlacementError(RuntimeError):
     """A slice was found but cannot host the role as asked (labels or shape do not match)."""
 
@@ -335,7 +374,7 @@ def place_slice(
     kwargs: Mapping[str, Any] | None = None,
     timeout_s: float = 600.0,
     num_cpus: float = 1.0,
-    coordinator_port: int = DEFAULT_COORDINATOR_PORT,
+    coordinator_port: int | None = None,
     jax_platforms: str | None = "tpu",
     options: Mapping[str, Any] | None = None,
 ) -> SliceGroup:
@@ -344,6 +383,7 @@ def place_slice(
     see the module docstring. Each actor asks for the host's chips (``TPU``) and
     ``num_cpus``; ``options`` are further ``.options(...)`` keywords (e.g. ``max_concurrency``,
     ``runtime_env``: its ``env_vars`` are kept, the identity variables added).
+    ``coordinator_port``: worker 0's coordination port (``None``: the request's).
     ``jax_platforms``: the actors' ``JAX_PLATFORMS`` (``tpu`` unless ``options`` set one;
     ``None``: leave it alone), so a ``JAX_PLATFORMS=cpu`` the driver or the job's runtime
     environment runs with never silently puts a slice's JAX on its CPUs.
@@ -356,6 +396,8 @@ def place_slice(
     from ray.util.placement_group import placement_group, placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if coordinator_port is None:
+        coordinator_port = request.coordinator_port
     if not 0 < coordinator_port < 65536:
         raise ValueError(f"`coordinator_port` must be in [1, 65535]; received {coordinator_port}")
     if not timeout_s > 0:

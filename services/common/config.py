@@ -17,6 +17,7 @@ from typing import ClassVar, Self
 from pydantic import Field, model_validator
 
 from distill.config import ConfigError, ConfigModel, JobConfig
+from services.cluster.tpu import SliceRequest
 
 _MIB = 1 << 20
 
@@ -162,7 +163,13 @@ class RoleConfig(ConfigModel):
     ``sched_setaffinity``; a benchmark's way to give each process its own core).
     ``max_restarts``: how many times Ray restarts one such actor after its process dies
     (``None``: the role's default, :data:`DEFAULT_MAX_RESTARTS`; the learner is never
-    restarted in place: the job fails naming it and a rerun resumes from its checkpoint)."""
+    restarted in place: the job fails naming it and a rerun resumes from its checkpoint).
+    ``slice``: when set (``{accelerator_type: v6e, topology: 4x4}``, see
+    :class:`~services.cluster.tpu.SliceRequest`), each of the role's ``count`` actors is a
+    whole TPU slice instead: one host actor per host of the slice, all of them one
+    ``jax.distributed`` world, host 0 the role's endpoint (docs/tpu-placement.md). The slice
+    placement asks for the hosts' chips itself, so ``num_gpus`` and ``resources`` stay empty;
+    a world does not survive one of its processes restarting, so ``max_restarts`` is 0."""
 
     count: int = Field(default=1, ge=1, strict=True)
     num_cpus: float = Field(default=1.0, ge=0)
@@ -171,11 +178,36 @@ class RoleConfig(ConfigModel):
     cpu_threads: int | None = Field(default=None, ge=1)
     cpu_affinity: tuple[int, ...] | None = None
     max_restarts: int | None = Field(default=None, ge=0, strict=True)
+    slice: SliceRequest | None = None
 
     def restarts(self, role: str) -> int:
         """``max_restarts``, or the default of ``role`` (``teacher``, ``rollout``,
-        ``learner``)."""
+        ``learner``); 0 for a role placed on slices."""
+        if self.slice is not None:
+            return 0
         return DEFAULT_MAX_RESTARTS[role] if self.max_restarts is None else self.max_restarts
+
+    @model_validator(mode="after")
+    def _check_slice(self) -> Self:
+        if self.slice is None:
+            return self
+        if self.num_gpus:
+            raise config_error("num_gpus", "be 0 when `slice` is set", self.num_gpus)
+        if self.resources:
+            raise config_error(
+                "resources",
+                "be empty when `slice` is set (the slice placement asks for each host's "
+                "TPU chips and its slice's head resource itself)",
+                self.resources,
+            )
+        if self.max_restarts not in (None, 0):
+            raise config_error(
+                "max_restarts",
+                "be 0 or null when `slice` is set (a jax.distributed world does not survive "
+                "one of its processes restarting; rerun the job to resume)",
+                self.max_restarts,
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_affinity(self) -> Self:
@@ -184,6 +216,9 @@ class RoleConfig(ConfigModel):
                 "cpu_affinity", "list at least one core id >= 0", list(self.cpu_affinity)
             )
         return self
+
+
+_SINGLE_HOST_EXAMPLE = {"v5e": "2x4", "v6e": "2x4"}
 
 
 class ClusterConfig(ConfigModel):
@@ -199,6 +234,9 @@ class ClusterConfig(ConfigModel):
     ``watchdog_s``: the job fails when no training step completes for this long, naming the
     stage that stalled (``rollout``, ``teacher`` or ``learner``); ``None`` turns it off.
     ``record_traces``: the learner keeps every trained rollout in ``RUN/opd/traces/``.
+    A ``slice`` of the teacher or the learner must be a single-host one for now (their
+    single-process program checkpoints with Orbax, which synchronizes every process of the
+    world); a rollout worker group may be a multi-host slice (docs/tpu-placement.md).
     """
 
     section: ClassVar[str] = "cluster"
@@ -226,6 +264,19 @@ class ClusterConfig(ConfigModel):
                 "from its newest checkpoint)",
                 self.learner.max_restarts,
             )
+        for name in ("teacher", "learner"):
+            request = getattr(self, name).slice
+            if request is not None and request.hosts > 1:
+                raise config_error(
+                    f"{name}.slice",
+                    f"be a single-host slice for now (e.g. {request.accelerator_type} "
+                    f"{_SINGLE_HOST_EXAMPLE.get(request.accelerator_type, '2x2x1')}): the "
+                    f"{name} runs on host 0 of its jax.distributed world only, and its Orbax "
+                    "checkpoints synchronize every process of the world, so the other hosts "
+                    f"would hang it; {request.describe()} has {request.hosts} hosts "
+                    "(multi-host slices are for `rollout`)",
+                    request.topology,
+                )
         if self.token_file is None and not is_loopback(self.host):
             raise config_error(
                 "token_file",

@@ -15,6 +15,10 @@
    rows; and when no step completes for ``cluster.watchdog_s`` the job fails naming the
    stage that stalled (rollout, teacher or learner) instead of hanging.
 
+A role with ``cluster.<role>.slice`` set is placed on whole TPU slices instead (one slice
+per teacher replica, per rollout worker group, and for the learner; :func:`place_role`):
+one host actor per host, all one ``jax.distributed`` world, host 0 the role's endpoint.
+
 The driver imports neither JAX nor the model code: actors do, in their own processes.
 Rerunning the same command resumes: finished phases are reused, OPD continues from its
 newest checkpoint and regenerates the rollouts that were in flight.
@@ -35,7 +39,7 @@ from distill.job import JobPlan
 from services.cluster import actors
 from services.cluster.placement import actor_options, start_ray
 from services.common.auth import read_token
-from services.common.config import JobSpec
+from services.common.config import JobSpec, RoleConfig
 from services.jobs.checks import check_teachers
 
 Log = Callable[[str], None]
@@ -107,6 +111,105 @@ class JobResult:
     teacher_addresses: list[str]
 
 
+@dataclasses.dataclass
+class PlacedActor:
+    """One actor of a role as the driver uses it. ``endpoint``: the actor the driver and
+    the other roles call (a slice's host 0). ``hosts``: the slice's other hosts (empty for
+    a single-process actor). ``group``: the :class:`~services.cluster.tpu.SliceGroup`
+    holding the slice (``None`` off slices)."""
+
+    endpoint: Any
+    hosts: list[Any]
+    group: Any = None
+
+    def release(self) -> None:
+        import ray
+
+        if self.group is not None:
+            self.group.release()
+        else:
+            ray.kill(self.endpoint)
+
+
+#: The actor class of each role placed on a TPU slice.
+SLICE_CLASSES = {
+    "teacher": actors.TeacherSliceHost,
+    "learner": actors.LearnerSliceHost,
+    "rollout": actors.RolloutSliceHost,
+}
+PLAIN_CLASSES = {
+    "teacher": actors.TeacherReplica,
+    "learner": actors.LearnerActor,
+    "rollout": actors.RolloutWorkerActor,
+}
+
+
+def place_role(
+    role: str,
+    config: RoleConfig,
+    label: str,
+    run_dir: str | Path,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    max_concurrency: int,
+    start_timeout_s: float,
+    jax_platforms: str = "tpu",
+) -> PlacedActor:
+    """Start one actor of ``role`` (``teacher``, ``learner``, ``rollout``), called
+    ``label`` (``teacher-0``, ``learner``, ``rollout-1``), built with ``*args, **kwargs``.
+
+    Without ``config.slice``: one single-process actor with the role's resources, named
+    :func:`actor_name`, returned at once (its ``start`` is waited for by the caller).
+    With it: one whole slice (:func:`services.cluster.tpu.place_slice`), one
+    :data:`SLICE_CLASSES` host actor per host with ``JAX_PLATFORMS=jax_platforms``, returned
+    once every host has joined the world; :class:`JobFailed` naming the label, accelerator
+    type and topology when that does not happen within ``start_timeout_s``."""
+    import ray
+
+    from services.cluster.tpu import SlicePlacementError, place_slice
+
+    options = actor_options(
+        config,
+        max_concurrency=max_concurrency,
+        max_restarts=config.restarts(role),
+        name=None if config.slice is not None else actor_name(run_dir, label),
+    )
+    if config.slice is None:
+        actor = ray.remote(PLAIN_CLASSES[role]).options(**options).remote(*args, **(kwargs or {}))
+        return PlacedActor(endpoint=actor, hosts=[])
+    slice_options = {
+        key: options[key] for key in ("max_concurrency", "max_restarts", "runtime_env")
+    }
+    try:
+        group = place_slice(
+            SLICE_CLASSES[role],
+            config.slice,
+            role=label,
+            args=args,
+            kwargs=kwargs,
+            timeout_s=start_timeout_s,
+            num_cpus=config.num_cpus,
+            jax_platforms=jax_platforms,
+            options=slice_options,
+        )
+    except SlicePlacementError as error:
+        raise JobFailed(f"placing {label} on a TPU slice failed: {error}") from error
+    except Exception as error:
+        raise JobFailed(
+            f"placing {label} on a TPU slice ({config.slice.describe()}) failed: {_reason(error)}"
+        ) from error
+    return PlacedActor(endpoint=group.actors[0], hosts=group.actors[1:], group=group)
+
+
+def _holds(placed: PlacedActor, label: str) -> dict[Any, str]:
+    """The driver's watch on a slice's hosts other than its endpoint."""
+    return {
+        host.hold.remote(): f"{label} host {index}"
+        for index, host in enumerate(placed.hosts, start=1)
+    }
+
+
 def _wait(reference, timeout_s: float | None, what: str):
     """The result of ``reference``; ``JobFailed`` naming ``what`` on failure or timeout
     (None: no deadline, for training phases whose length the job sets)."""
@@ -157,7 +260,7 @@ def run_job(
     plan = JobPlan.from_job(job)
     payload = job.model_dump(mode="json")
     started_ray = start_ray(address, cluster, ray_temp_dir)
-    placed: list[Any] = []
+    placed: list[PlacedActor] = []
     try:
         log(f"== phases: teacher and student warm-up in {run_dir}")
         phase_task = ray.remote(num_cpus=1)(_train_phases)
@@ -167,26 +270,28 @@ def run_job(
             "teacher training and student warm-up",
         )
 
-        teacher_class = ray.remote(actors.TeacherReplica)
         launch = uuid.uuid4().hex  # a restarted replica finds its own address record
-        replicas = [
-            teacher_class.options(
-                **actor_options(
+        teachers: list[PlacedActor] = []
+        for index in range(cluster.teacher.count):
+            teachers.append(
+                place_role(
+                    "teacher",
                     cluster.teacher,
+                    f"teacher-{index}",
+                    run_dir,
+                    (
+                        payload,
+                        str(run_dir / "teacher"),
+                        index,
+                        str(run_dir / "cluster" / f"teacher-{index}.json"),
+                        launch,
+                    ),
                     max_concurrency=4,
-                    max_restarts=cluster.teacher.restarts("teacher"),
-                    name=actor_name(run_dir, f"teacher-{index}"),
+                    start_timeout_s=cluster.start_timeout_s,
                 )
-            ).remote(
-                payload,
-                str(run_dir / "teacher"),
-                index,
-                str(run_dir / "cluster" / f"teacher-{index}.json"),
-                launch,
             )
-            for index in range(cluster.teacher.count)
-        ]
-        placed += replicas
+            placed.append(teachers[-1])
+        replicas = [teacher.endpoint for teacher in teachers]
         addresses = [
             _wait(
                 replica.start.remote(), cluster.start_timeout_s, f"teacher replica {index} to start"
@@ -196,41 +301,49 @@ def run_job(
         log(f"== {len(addresses)} teacher replica(s) serving on {', '.join(addresses)}")
         _check_teachers(job, plan, addresses)
 
-        learner_class = ray.remote(actors.LearnerActor)
-        learner = learner_class.options(
-            **actor_options(
-                cluster.learner, max_concurrency=16, name=actor_name(run_dir, "learner")
-            )
-        ).remote(
-            payload,
-            student_run=str(run_dir / "student"),
-            opd_dir=str(run_dir / "opd"),
-            teacher_addresses=addresses,
-            shards_per_step=cluster.rollout.count,
-            teacher_run=str(run_dir / "teacher"),
+        learner_placed = place_role(
+            "learner",
+            cluster.learner,
+            "learner",
+            run_dir,
+            (payload,),
+            {
+                "student_run": str(run_dir / "student"),
+                "opd_dir": str(run_dir / "opd"),
+                "teacher_addresses": addresses,
+                "shards_per_step": cluster.rollout.count,
+                "teacher_run": str(run_dir / "teacher"),
+            },
+            max_concurrency=16,
+            start_timeout_s=cluster.start_timeout_s,
         )
-        placed.append(learner)
+        placed.append(learner_placed)
+        learner = learner_placed.endpoint
         started = _wait(learner.start.remote(), cluster.start_timeout_s, "the learner to start")
         log(f"== learner serving on {started['address']}, starting at step {started['step']}")
 
-        worker_class = ray.remote(actors.RolloutWorkerActor)
-        workers = [
-            worker_class.options(
-                **actor_options(
+        # On slices: one rollout worker group per slice ("student slice"), host 0 its
+        # endpoint (it acquires work from the learner and pushes traces).
+        groups: list[PlacedActor] = []
+        for index in range(cluster.rollout.count):
+            groups.append(
+                place_role(
+                    "rollout",
                     cluster.rollout,
+                    f"rollout-{index}",
+                    run_dir,
+                    (payload,),
+                    {
+                        "worker_id": f"rollout-{index}",
+                        "learner_address": started["address"],
+                        "learner": learner,
+                    },
                     max_concurrency=2,
-                    max_restarts=cluster.rollout.restarts("rollout"),
-                    name=actor_name(run_dir, f"rollout-{index}"),
+                    start_timeout_s=cluster.start_timeout_s,
                 )
-            ).remote(
-                payload,
-                worker_id=f"rollout-{index}",
-                learner_address=started["address"],
-                learner=learner,
             )
-            for index in range(cluster.rollout.count)
-        ]
-        placed += workers
+            placed.append(groups[-1])
+        workers = [group.endpoint for group in groups]
         runs = {
             worker.run.remote(): f"rollout worker {index}" for index, worker in enumerate(workers)
         }
@@ -240,6 +353,11 @@ def run_job(
             replica.serve.remote(): f"teacher replica {index}"
             for index, replica in enumerate(replicas)
         }
+        runs |= _holds(learner_placed, "the learner")
+        for index, teacher in enumerate(teachers):
+            runs |= _holds(teacher, f"teacher replica {index}")
+        for index, group in enumerate(groups):
+            runs |= _holds(group, f"rollout worker {index}")
         watchdog = Watchdog(cluster.watchdog_s, started["step"])
         result = _supervise(learner, runs, job.opd.steps, started["step"], progress, log, watchdog)
         return JobResult(
@@ -256,7 +374,7 @@ def run_job(
         )
     finally:
         for actor in placed:
-            ray.kill(actor)
+            actor.release()
         if started_ray:
             ray.shutdown()
 
@@ -328,6 +446,8 @@ def _supervise(
                     # A dead learner fails its workers' calls too: name the cause.
                     _raise_if_learner_failed(run)
                     raise JobFailed(f"{name} failed: {_reason(error)}") from error
+                if " host " in name:
+                    raise JobFailed(f"{name} left its TPU slice's world while the job ran")
                 if name.startswith("teacher replica"):
                     raise JobFailed(f"{name} stopped serving while the job ran")
             try:

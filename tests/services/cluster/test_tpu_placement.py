@@ -17,14 +17,17 @@ and its worker processes see them as on GKE.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from distill.config import ConfigError
+from distill.config import ConfigError, load_config
 from services.cluster.tpu import (
     ENV_COORDINATOR_ADDRESS,
     ENV_NUM_PROCESSES,
@@ -34,6 +37,7 @@ from services.cluster.tpu import (
     jax_distributed_kwargs,
     place_slice,
 )
+from services.common.config import JobSpec
 
 # --- SliceRequest -----------------------------------------------------------------------
 
@@ -333,3 +337,159 @@ def test_a_slice_that_does_not_exist_fails_after_a_bounded_wait(
     while ray.available_resources().get("TPU-v6e-16-head", 0) < 2:
         assert time.monotonic() < deadline, ray.available_resources()
         time.sleep(0.1)
+
+
+# --- the job's roles on slices (cluster.<role>.slice) ------------------------------------
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _job(cluster: dict) -> JobSpec:
+    """The tiny job with ``cluster``: its YAML, as a user writes it."""
+    job = load_config(ROOT / "deploy/configs/tiny.yaml", JobSpec)
+    return JobSpec(**{**job.model_dump(mode="json"), "cluster": cluster})
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_role_slice_is_validated_with_the_role():
+    job = _job({"rollout": {"count": 2, "slice": {"accelerator_type": "V6E", "topology": "4x4"}}})
+    assert job.cluster.rollout.slice.pod_type == "v6e-16"
+    assert job.cluster.rollout.slice.coordinator_port == 8476
+    assert job.cluster.rollout.restarts("rollout") == 0  # a world does not survive a restart
+    assert job.cluster.teacher.slice is None and job.cluster.teacher.restarts("teacher") == 3
+    v6e = {"accelerator_type": "v6e", "topology": "4x4"}
+    for role, message in (
+        (
+            {"slice": {"accelerator_type": "v6e", "topology": "3x3"}},
+            "`cluster.rollout.slice.topology`",
+        ),
+        ({"slice": {"accelerator_type": "v3", "topology": "4x4"}}, "`cluster.rollout.slice.accel"),
+        ({"slice": v6e, "resources": {"TPU": 4}}, "`cluster.rollout.resources` must be empty"),
+        ({"slice": v6e, "num_gpus": 1}, "`cluster.rollout.num_gpus` must be 0"),
+        ({"slice": v6e, "max_restarts": 2}, "`cluster.rollout.max_restarts` must be 0 or null"),
+        ({"slice": {**v6e, "coordinator_port": 0}}, "`cluster.rollout.slice.coordinator_port`"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            _job({"rollout": role})
+    # The teacher and the learner run on host 0 only and checkpoint with Orbax, which
+    # synchronizes every process of the world: single-host slices only, for now.
+    assert _job({"learner": {"slice": {**v6e, "topology": "2x4"}}}).cluster.learner.slice.hosts == 1
+    for role in ("teacher", "learner"):
+        with pytest.raises(ConfigError, match=f"`cluster.{role}.slice` must be a single-host"):
+            _job({role: {"slice": v6e}})
+
+
+def _world(placed) -> list[dict]:
+    import ray
+
+    hosts = [placed.endpoint, *placed.hosts]
+    return ray.get([host.world_info.remote() for host in hosts], timeout=120)
+
+
+@pytest.mark.slow
+def test_two_student_slices_each_get_one_whole_slice_as_one_jax_world(fake_tpu_cluster, tmp_path):
+    import ray
+
+    from services.jobs.driver import _holds, place_role
+
+    job = _job(
+        {
+            "start_timeout_s": 180,
+            "rollout": {"count": 2, "slice": {"accelerator_type": "v6e", "topology": "4x4"}},
+        }
+    )
+    payload = job.model_dump(mode="json")
+    placed = []
+    try:
+        for index in range(job.cluster.rollout.count):
+            # As run_job places them, with the hosts' JAX on CPU (the fake hosts have no
+            # TPU) and, since both fake slices share this machine, a coordinator port each.
+            request = job.cluster.rollout.slice.model_copy(
+                update={"coordinator_port": _free_port()}
+            )
+            config = job.cluster.rollout.model_copy(update={"slice": request})
+            placed.append(
+                place_role(
+                    "rollout",
+                    config,
+                    f"rollout-{index}",
+                    tmp_path,
+                    (payload,),
+                    {
+                        "worker_id": f"rollout-{index}",
+                        "learner_address": "127.0.0.1:1",
+                        "learner": None,
+                    },
+                    max_concurrency=2,
+                    start_timeout_s=job.cluster.start_timeout_s,
+                    jax_platforms="cpu",
+                )
+            )
+            world = _world(placed[-1])
+            slice_name = placed[-1].group.slice_name
+            # Exactly the four hosts of one slice, one process each, in worker-id order.
+            assert [host["node_id"] for host in world] == [
+                fake_tpu_cluster[slice_name, worker] for worker in range(HOSTS_PER_SLICE)
+            ]
+            coordinator = world[0]["coordinator_address"]
+            assert coordinator.endswith(f":{request.coordinator_port}")
+            for process_id, host in enumerate(world):
+                assert host["role"] == f"rollout-{index}"
+                assert host["node_slice_name"] == slice_name
+                assert host["node_worker_id"] == host["tpu_worker_id_env"] == str(process_id)
+                # One jax.distributed world per slice: JAX itself agrees on who is who.
+                assert host["process_id"] == host["process_index"] == process_id
+                assert host["num_processes"] == host["process_count"] == HOSTS_PER_SLICE
+                assert host["coordinator_address"] == coordinator
+                assert host["jax_platforms"] == "cpu" and host["platform"] == "cpu"
+                assert host["endpoint"] == (process_id == 0)
+        # Two student slices, two different slices.
+        assert sorted(group.group.slice_name for group in placed) == sorted(SLICES)
+        # Host 0 is the rollout worker (stop() uses the state only it built).
+        ray.get([group.endpoint.stop.remote() for group in placed], timeout=60)
+
+        # The driver watches the other hosts: one that dies is named.
+        watched = _holds(placed[1], "rollout worker 1")
+        assert sorted(watched.values()) == [f"rollout worker 1 host {i}" for i in (1, 2, 3)]
+        ray.kill(placed[1].hosts[1])  # host 2
+        ready, _ = ray.wait(list(watched), num_returns=1, timeout=60)
+        assert [watched[reference] for reference in ready] == ["rollout worker 1 host 2"]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(ready[0], timeout=10)
+    finally:
+        for group in placed:
+            group.release()
+
+
+@pytest.mark.slow
+def test_a_job_role_asking_for_a_missing_slice_fails_naming_it(fake_tpu_cluster, tmp_path):
+    from services.jobs.driver import JobFailed, place_role
+
+    job = _job(
+        {
+            "start_timeout_s": 3,
+            "rollout": {"count": 1, "slice": {"accelerator_type": "v6e", "topology": "8x8"}},
+        }
+    )
+    started = time.monotonic()
+    with pytest.raises(JobFailed) as error:
+        place_role(
+            "rollout",
+            job.cluster.rollout,
+            "rollout-0",
+            tmp_path,
+            (job.model_dump(mode="json"),),
+            {"worker_id": "rollout-0", "learner_address": "127.0.0.1:1", "learner": None},
+            max_concurrency=2,
+            start_timeout_s=job.cluster.start_timeout_s,
+            jax_platforms="cpu",
+        )
+    assert 3 <= time.monotonic() - started < 30
+    message = str(error.value)
+    for part in ("rollout-0", "v6e", "8x8", "v6e-64", "no node in the cluster advertises it"):
+        assert part in message, message
