@@ -5,7 +5,8 @@ Two bootstraps over the same settings, TLS, health and reflection: :func:`start_
 (``grpc.aio``: no thread per waiting call, per-method concurrency limits, the token checked
 before a body is read, unparsable bodies answered ``INVALID_ARGUMENT`` and counted; the
 teacher uses it) and :func:`start_server` (a thread pool for servicers written as blocking
-code; the learner uses it).
+code; the learner uses it; a body or streamed message that does not parse is answered
+``INVALID_ARGUMENT`` there too, not gRPC's ``INTERNAL``).
 
 :func:`start_server` builds a ``grpc.server`` from a
 :class:`~services.common.config.ServerConfig`, lets the caller register its servicers, adds
@@ -133,7 +134,10 @@ def start_server(
     cannot be bound. (Servers whose calls wait long or may be held open by strangers use
     :func:`start_aio_server`.)"""
     credentials = _server_credentials(config)
-    interceptors = [] if config.token is None else [BearerTokenInterceptor(config.token)]
+    interceptors: list[grpc.ServerInterceptor] = (
+        [] if config.token is None else [BearerTokenInterceptor(config.token)]
+    )
+    interceptors.append(_ParseGuard())  # after the token: strangers' bodies meet auth first
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
@@ -156,6 +160,54 @@ def start_server(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     host, _ = split_address(config.address)
     return RunningServer(server, health_servicer, host, port, config.grace_s, on_stop)
+
+
+class _ParseGuard(grpc.ServerInterceptor):
+    """Answers ``INVALID_ARGUMENT`` for a request body (or a streamed message) that does not
+    parse, where a thread-pool server would answer ``INTERNAL`` ("Exception deserializing
+    request!"): a malformed message is the caller's fault, and the server keeps serving."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        deserialize, kind = handler.request_deserializer, _handler_kind(handler)
+        behavior = getattr(handler, kind)
+        name = handler_call_details.method.rsplit("/", 1)[-1]
+
+        def parse(data: bytes):
+            try:
+                return deserialize(data)
+            except Exception as error:  # a body that is not the message
+                return _Malformed(error)
+
+        def refuse(request, context) -> None:
+            if isinstance(request, _Malformed):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"`request` must be a valid {name} request message; received a body that "
+                    f"does not parse ({type(request.error).__name__})",
+                )
+
+        if handler.request_streaming:
+
+            def checked(requests, context):
+                for request in requests:
+                    refuse(request, context)
+                    yield request
+
+            def run(requests, context):
+                return behavior(checked(requests, context), context)
+
+        else:
+
+            def run(request, context):
+                refuse(request, context)
+                return behavior(request, context)
+
+        return _HANDLER_FACTORIES[kind](
+            run, request_deserializer=parse, response_serializer=handler.response_serializer
+        )
 
 
 # ---- asynchronous servers ------------------------------------------------------------------

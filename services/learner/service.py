@@ -5,7 +5,8 @@ and one training thread.
 - ``AcquireWork``: the next shard for a worker (rows of a step, their stream positions, the
   policy version to roll out with), or WAIT / DONE.
 - ``PushTraces`` (client-streaming ``TraceRow``): every row is checked (wire form, identity,
-  the learner's sampling settings and block size, the library's trace validation); any bad
+  the job's seed, forwards >= 0, log-probs <= 0 in the completion and 0 outside it, the
+  learner's sampling settings and block size, the library's trace validation); any bad
   row refuses the whole push with ``INVALID_ARGUMENT`` naming the field, nothing of it is
   kept and the service keeps serving. Good rows are handed to the scheduler, which keeps,
   drops as stale, or refuses each shard; the answer counts each.
@@ -106,6 +107,31 @@ def split_by_shard(batch: RolloutBatch, bounds: Sequence[tuple[int, int]]) -> li
     return parts
 
 
+def _checked_rows(messages, seed: int):
+    """``messages`` checked for what the trace validation does not see: the row's seed (the
+    job's, as assigned), its forward count, and its log-probs (0 outside the completion,
+    <= 0 in it: a log-prob above 0 is no probability). Raises :class:`ValueError` naming
+    the row and field."""
+    for index, message in enumerate(messages):
+        if message.seed != seed:
+            raise ValueError(
+                f"`rows[{index}].seed` must be the job's seed {seed} (as assigned); received "
+                f"{message.seed}"
+            )
+        if message.forwards < 0:
+            raise ValueError(f"`rows[{index}].forwards` must be >= 0; received {message.forwards}")
+        logps = np.asarray(message.action_logps, np.float32)
+        inside = np.asarray(message.completion_mask, bool)
+        if logps.shape == inside.shape:
+            bad = np.flatnonzero(np.where(inside, ~(logps <= 0), logps != 0))
+            if bad.size:
+                raise ValueError(
+                    f"`rows[{index}].action_logps` must be <= 0 in the completion and 0 outside "
+                    f"it; received {float(logps[bad[0]])} at slot {int(bad[0])}"
+                )
+        yield message
+
+
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     """``LearnerService`` over a learner and its scheduler (module docstring)."""
 
@@ -136,7 +162,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     def PushTraces(self, request_iterator, context: grpc.ServicerContext):
         runtime = self.runtime
         try:
-            batches = batches_from_rows(request_iterator)
+            batches = batches_from_rows(_checked_rows(request_iterator, runtime.learner.job.seed))
             if not batches:
                 raise ValueError("`rows` must hold at least one trace row; received 0")
             for batch in batches:
