@@ -259,6 +259,9 @@ def run_job(
     cluster = job.cluster
     plan = JobPlan.from_job(job)
     payload = job.model_dump(mode="json")
+    if cluster.token_file is not None:
+        # A missing or world-readable token file fails now, not after the warm-up phases.
+        read_token(cluster.token_file)
     started_ray = start_ray(address, cluster, ray_temp_dir)
     placed: list[PlacedActor] = []
     try:

@@ -371,11 +371,6 @@ def test_serve_teacher_refuses_an_unprotected_bind_before_loading(tmp_path, caps
     assert TOKEN not in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: run_job reads cluster.token_file only when the teacher replicas start, "
-    "after teacher training and the student warm-up (services/jobs/driver.py)",
-)
 def test_a_job_refuses_an_open_token_file_before_it_starts_ray(tmp_path, monkeypatch):
     from services.jobs import driver
 
