@@ -10,33 +10,48 @@
     distill warmup-student CONFIG --run-dir DIR [--teacher-run DIR] [--set a.b=value ...]
     distill opd CONFIG --run-dir DIR --student-run DIR (--teacher-run DIR | --teacher-server
                   ADDR [--token-file F] [--tls-root-cert F]) [--set a.b=value ...]
-    distill score (--hf-checkpoint DIR | --gguf FILE|smollm2) TEXT [--top-k K]
+    distill score (--hf-checkpoint DIR | --gguf FILE|smollm2) TEXT [--top-k K] [--json]
     distill score --server ADDR [--token-file F] [--tls-root-cert F]
                   (--hf-checkpoint DIR TEXT | --gguf FILE|smollm2 TEXT | --ids "ID ...")
-                  [--top-k K]
+                  [--top-k K] [--json]
     distill serve teacher (--hf-checkpoint DIR | --gguf FILE|smollm2
                   | CONFIG --teacher-run DIR [--set a.b=value ...])
                   [--address HOST:PORT] [--token-file F] [--tls-cert F --tls-key F]
                   [--max-batch-sequences N] [--max-batch-tokens N] [--max-delay-ms MS]
                   [--max-request-sequences N] [--max-request-tokens N] [--max-queue-requests N]
+                  [--shapes auto|default|none] [--max-length N] [--warm-shared-prompts]
+                  [--metrics-address HOST:PORT [--metrics-public]]
 
 CONFIG is a job YAML (see ``deploy/configs/``); ``--set`` applies dotted overrides. Runs
 resume from their newest checkpoint and refuse a changed setup (the run contract). Errors in
 the configuration or the run contract are printed as one line per field, exit status 2; a
 refused call to a server is printed with the server's reason, exit status 1.
 
-``score --server`` scores through a running teacher server; with ``--hf-checkpoint`` only the
-checkpoint's tokenizer is read (and must match the server's), with ``--ids`` the text is
-whitespace-separated token ids. ``--gguf`` reads a GGUF file instead of a checkpoint directory
-(``smollm2``: SmolLM2-135M-Instruct, fetched into the cache on first use; see
-``distill.models.gguf``). ``serve teacher`` prints ``serving teacher on HOST:PORT``
-once it accepts calls and stops gracefully on SIGINT / SIGTERM. Tokens come from
+``score`` prints one row per scored token (position, token, id, log-prob, and the token's
+rank in the teacher's distribution, 1 = its most likely token; ``--top-k K``: its K best),
+then ``total T nats over N tokens (mean ..., perplexity ...)``; ``--json`` prints one JSON
+object instead (``ids``, ``tokens``, ``log_probs``, ``ranks``, ``top_k``, ``total_log_prob``,
+``mean_log_prob``, ...). In process the ranks are exact; through a server they are exact
+within the server's largest top-k bucket (and an answer of at most 16 MiB), beyond it shown
+as ``>K`` (``null`` in JSON). ``score --server`` scores through a running teacher server;
+with ``--hf-checkpoint`` only the checkpoint's tokenizer is read (and must match the
+server's), with ``--ids`` the text is whitespace-separated token ids. ``--gguf`` reads a GGUF
+file instead of a checkpoint directory (``smollm2``: SmolLM2-135M-Instruct, fetched into the
+cache on first use; see ``distill.models.gguf``).
+
+``serve teacher`` compiles its closed set of shapes (``--shapes``, see
+:func:`_score_shapes`) before it serves; it prints the teacher and its warm-up (shapes
+compiled, seconds) on one line, ``metrics on http://HOST:PORT/metrics`` when
+``--metrics-address`` is set, then ``serving teacher on HOST:PORT`` once it accepts calls,
+and stops gracefully on SIGINT / SIGTERM. Tokens come from
 ``--token-file`` or the ``DISTILL_TOKEN`` environment variable, never the command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import signal
 import sys
 import threading
@@ -48,9 +63,19 @@ from distill.config import ConfigError, JobConfig, load_config
 def _job(args: argparse.Namespace) -> JobConfig:
     # The services' job spec: the library's job plus its `cluster:` section, so one YAML
     # serves every command.
+    import yaml
+
     from services.common.config import JobSpec
 
-    return load_config(args.config, JobSpec, args.set)
+    try:
+        return load_config(args.config, JobSpec, args.set)
+    except yaml.YAMLError as error:  # one line naming the file, not a parser traceback
+        mark = getattr(error, "problem_mark", None)
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        raise ConfigError(
+            f"`config` must be a valid YAML file; received {args.config!r} "
+            f"({getattr(error, 'problem', None) or type(error).__name__}{where})"
+        ) from None
 
 
 def _submit(args: argparse.Namespace) -> None:
@@ -190,10 +215,7 @@ def _score(args: argparse.Namespace) -> None:
     from distill.teacher import InProcessTeacher
 
     model, checkpoint = load_teacher(args.hf_checkpoint)
-    tokenizer = checkpoint.tokenizer
-    ids = [tokenizer.special.bos_id, *tokenizer.encode(args.text)]
-    scored = InProcessTeacher(model, tokenizer).score([ids], top_k=args.top_k)[0]
-    _print_scores(ids, scored, tokenizer)
+    _score_local(args, InProcessTeacher(model, checkpoint.tokenizer))
 
 
 def _gguf_alone(**others: object) -> None:
@@ -211,10 +233,17 @@ def _score_gguf(args: argparse.Namespace) -> None:
 
     _gguf_alone(**{"--hf-checkpoint": args.hf_checkpoint})
     model, checkpoint = gguf.load_teacher(gguf.resolve_gguf(args.gguf))
-    tokenizer = checkpoint.tokenizer
+    _score_local(args, InProcessTeacher(model, checkpoint.tokenizer))
+
+
+def _score_local(args: argparse.Namespace, teacher) -> None:
+    """Score ``args.text`` with an in-process teacher: ranks are exact (the call asks for the
+    whole vocabulary as its top-k, so it holds ``n x vocab`` log-probs and ids)."""
+    tokenizer, info = teacher.tokenizer, teacher.info()
     ids = [tokenizer.special.bos_id, *tokenizer.encode(args.text)]
-    scored = InProcessTeacher(model, tokenizer).score([ids], top_k=args.top_k)[0]
-    _print_scores(ids, scored, tokenizer)
+    _check_top_k(args.top_k, info.vocab_size)
+    scored = teacher.score([ids], top_k=info.vocab_size)[0]
+    _report_scores(args, ids, scored, tokenizer, info, window=info.vocab_size)
 
 
 def _score_remote(args: argparse.Namespace) -> None:
@@ -256,65 +285,203 @@ def _score_remote(args: argparse.Namespace) -> None:
                     f"({info.tokenizer_hash[:12]}...); received {tokenizer.content_hash()[:12]}..."
                 )
             ids = [info.bos_id, *tokenizer.encode(args.text)]
-        scored = teacher.score([ids], top_k=args.top_k)[0]
-    _print_scores(ids, scored, tokenizer)
+        _check_top_k(args.top_k, info.vocab_size)
+        window = _served_rank_window(teacher, info, len(ids) - 1)
+        scored = teacher.score([ids], top_k=max(window, args.top_k or 0))[0]
+    _report_scores(args, ids, scored, tokenizer, info, window=window)
 
 
-def _print_scores(ids, scored, tokenizer) -> None:
-    """One line per scored position (token, log-prob, top-k), then the total. Without a
-    tokenizer tokens are shown as ids."""
+#: Largest top-k answer (ids and log-probs, about 9 bytes an entry) ``score --server`` asks
+#: for to rank the actual tokens, well within the default 64 MiB message limit.
+_RANK_ANSWER_BYTES = 16 << 20
+
+
+def _check_top_k(top_k: int | None, vocab: int) -> None:
+    if top_k is not None and not 1 <= top_k <= vocab:
+        raise ConfigError(f"`--top-k` must be in [1, {vocab}] (the vocabulary); received {top_k}")
+
+
+def _served_rank_window(teacher, info, positions: int) -> int:
+    """How deep ``score --server`` asks for the teacher's top-k to rank each actual token:
+    the whole vocabulary when the server allows it (no top-k buckets) and the answer stays
+    within :data:`_RANK_ANSWER_BYTES`, else its largest top-k bucket or that size limit.
+    A token outside this window has rank ``>window``."""
+    from services.proto import teacher_pb2
+
+    # The compiled buckets are only on the wire message (RemoteTeacher.info() answers the
+    # contract's TeacherInfo), so ask Info through the client's own call path.
+    message = teacher._call(teacher._stub.Info, teacher_pb2.InfoRequest())
+    window = min(info.vocab_size, max(message.top_k_buckets, default=info.vocab_size))
+    return max(1, min(window, _RANK_ANSWER_BYTES // (9 * max(1, positions))))
+
+
+def _ranks(ids, scored, window: int) -> list[int | None]:
+    """Per scored position, the 1-based rank of the actual next token in the teacher's
+    distribution (its place in the sorted top-k), or None when it is outside the
+    ``window`` best."""
+    import numpy as np
+
+    out: list[int | None] = []
+    for position, token in enumerate(ids[1:]):
+        found = np.flatnonzero(scored.top_ids[position, :window] == int(token))
+        out.append(int(found[0]) + 1 if found.size else None)
+    return out
+
+
+def _report_scores(args, ids, scored, tokenizer, info, *, window: int) -> None:
+    """Print the scores of ``ids`` as a table (``--json``: one JSON object). ``scored``
+    holds the teacher's top-k at least ``window`` deep (ranks) and ``--top-k`` deep."""
+    import numpy as np
+
+    ranks = _ranks(ids, scored, window)
+    log_probs = [float(lp) for lp in scored.log_probs]
+    total = float(np.sum(scored.log_probs, dtype=np.float64))
+    mean = total / len(log_probs)
+
+    def text(token: int) -> str | None:
+        if tokenizer is None:
+            return None
+        return tokenizer.decode([int(token)], skip_special=False)
+
+    top = None
+    if args.top_k is not None:
+        top = [
+            [
+                (int(i), float(lp))
+                for i, lp in zip(
+                    scored.top_ids[position, : args.top_k],
+                    scored.top_log_probs[position, : args.top_k],
+                    strict=True,
+                )
+            ]
+            for position in range(len(log_probs))
+        ]
+    if args.json:
+        report = {
+            "model_hash": info.model_hash,
+            "vocab_size": info.vocab_size,
+            "input_ids": [int(i) for i in ids],
+            "ids": [int(i) for i in ids[1:]],
+            "tokens": None if tokenizer is None else [text(i) for i in ids[1:]],
+            "log_probs": log_probs,
+            "ranks": ranks,
+            "rank_window": window,
+            "total_log_prob": total,
+            "mean_log_prob": mean,
+            "num_tokens": len(log_probs),
+            "perplexity": math.exp(-mean),
+        }
+        if top is not None:
+            report["top_k"] = [
+                [{"id": i, "token": text(i), "log_prob": lp} for i, lp in entries]
+                for entries in top
+            ]
+        print(json.dumps(report))
+        return
 
     def show(token: int) -> str:
-        if tokenizer is None:
-            return str(int(token))
-        return repr(tokenizer.decode([int(token)], skip_special=False))
+        return str(int(token)) if tokenizer is None else repr(text(token))
 
-    print(f"{'position':>8}  {'token':>12}  {'log-prob':>9}")
-    for position, (token, log_prob) in enumerate(zip(ids[1:], scored.log_probs, strict=True)):
-        line = f"{position + 1:>8}  {show(token):>12}  {log_prob:9.4f}"
-        if scored.top_ids is not None:
-            top = ", ".join(
-                f"{show(i)}:{lp:.2f}"
-                for i, lp in zip(
-                    scored.top_ids[position], scored.top_log_probs[position], strict=True
-                )
-            )
-            line += f"  top: {top}"
+    width = max(12, *(len(show(token)) for token in ids[1:]))
+    print(f"{'position':>8}  {'token':<{width}}  {'id':>6}  {'log-prob':>9}  {'rank':>6}")
+    for position, (token, log_prob, rank) in enumerate(zip(ids[1:], log_probs, ranks, strict=True)):
+        shown = str(rank) if rank is not None else f">{window}"
+        line = f"{position + 1:>8}  {show(token):<{width}}  {int(token):>6}  {log_prob:9.4f}  "
+        line += f"{shown:>6}"
+        if top is not None:
+            line += "  top: " + ", ".join(f"{show(i)}:{lp:.2f}" for i, lp in top[position])
         print(line)
-    print(f"total {float(scored.log_probs.sum()):.4f} nats over {len(scored.log_probs)} tokens")
+    exact = "" if window >= info.vocab_size else f"; ranks beyond {window} shown as >{window}"
+    print(
+        f"total {total:.4f} nats over {len(log_probs)} tokens (mean {mean:.4f} nats/token, "
+        f"perplexity {math.exp(-mean):.2f}{exact})"
+    )
 
 
 def _served_teacher(args: argparse.Namespace):
-    """The in-process teacher ``serve teacher`` serves: an HF checkpoint or a trained run."""
+    """The in-process teacher ``serve teacher`` serves (a GGUF file, an HF checkpoint or a
+    trained run), built with the :class:`~distill.teacher_contract.ScoreShapes` that
+    :func:`_score_shapes` picks. ``--max-length`` (GGUF and HF only) caps the served
+    sequence length and with it the length buckets."""
     from distill.teacher import InProcessTeacher
 
+    if args.max_length is not None and args.max_length < 2:
+        raise ConfigError(f"`--max-length` must be >= 2; received {args.max_length}")
     if args.gguf is not None:
         from distill.models import gguf
 
         _gguf_alone(**{"--hf-checkpoint": args.hf_checkpoint, "CONFIG": args.config})
-        model, checkpoint = gguf.load_teacher(gguf.resolve_gguf(args.gguf))
-        return InProcessTeacher(model, checkpoint.tokenizer)
-    if (args.hf_checkpoint is None) == (args.config is None):
-        raise ConfigError(
-            "`--hf-checkpoint` or CONFIG with `--teacher-run` must be given, not both; "
-            f"received {'both' if args.hf_checkpoint else 'neither'}"
+        model, checkpoint = gguf.load_teacher(
+            gguf.resolve_gguf(args.gguf), max_length=args.max_length
         )
-    if args.config is not None and args.teacher_run is None:
-        raise ConfigError("`--teacher-run` must be given with CONFIG; received none")
-    if args.hf_checkpoint is not None:
-        from distill.models.hf import load_teacher
+        tokenizer = checkpoint.tokenizer
+    else:
+        if (args.hf_checkpoint is None) == (args.config is None):
+            raise ConfigError(
+                "`--hf-checkpoint` or CONFIG with `--teacher-run` must be given, not both; "
+                f"received {'both' if args.hf_checkpoint else 'neither'}"
+            )
+        if args.config is not None and args.teacher_run is None:
+            raise ConfigError("`--teacher-run` must be given with CONFIG; received none")
+        if args.hf_checkpoint is not None:
+            from distill.models.hf import load_teacher
 
-        model, checkpoint = load_teacher(args.hf_checkpoint)
-        return InProcessTeacher(model, checkpoint.tokenizer)
-    from distill import pipeline
+            model, checkpoint = load_teacher(args.hf_checkpoint, max_length=args.max_length)
+            tokenizer = checkpoint.tokenizer
+        else:
+            if args.max_length is not None:
+                raise ConfigError(
+                    "`--max-length` must come with --hf-checkpoint or --gguf (a trained run "
+                    f"serves its job's teacher.max_length); received {args.max_length} with "
+                    "CONFIG"
+                )
+            from distill import pipeline
 
-    job = _job(args)
-    return InProcessTeacher(
-        pipeline.load_teacher_run(job, args.teacher_run), pipeline.job_tokenizer(job)
+            job = _job(args)
+            model = pipeline.load_teacher_run(job, args.teacher_run)
+            tokenizer = pipeline.job_tokenizer(job)
+    shapes, _ = _score_shapes(args, model.config.max_length)
+    return InProcessTeacher(model, tokenizer, shapes=shapes)
+
+
+def _score_shapes(args: argparse.Namespace, max_length: int):
+    """``(shapes, why)``: the :class:`~distill.teacher_contract.ScoreShapes` ``serve
+    teacher`` compiles before serving (None: each shape compiles on first use) and a phrase
+    saying why.
+
+    ``--shapes default``: ``ScoreShapes.default(max_length, max_batch_sequences)``. ``none``:
+    no buckets. ``auto`` (the default): the default buckets when their largest call,
+    ``max_batch_sequences x max_length`` padded ids, is within ``max_batch_tokens`` (the
+    warm-up then runs no call larger than serving could), else none -- a long-context model
+    would compile and run calls far beyond any batch the server forms; cap it with
+    ``--max-length``."""
+    from distill.teacher_contract import ScoreShapes
+
+    rows = args.max_batch_sequences
+    if args.shapes == "none":
+        return None, "--shapes none"
+    if args.shapes == "auto" and rows * max_length > args.max_batch_tokens:
+        return None, (
+            f"auto: max_batch_sequences {rows} x max_length {max_length} > max_batch_tokens "
+            f"{args.max_batch_tokens}"
+        )
+    return ScoreShapes.default(max_length, rows), f"{args.shapes}: ScoreShapes.default"
+
+
+def _describe_shapes(shapes) -> str:
+    def span(values) -> str:
+        return f"{values[0]}..{values[-1]}" if len(values) > 1 else str(values[0])
+
+    return (
+        f"rows {span(shapes.rows)} x lengths {span(shapes.lengths)}; top-k "
+        f"{', '.join(map(str, shapes.top_ks)) or 'none'}; candidates "
+        f"{', '.join(map(str, shapes.candidates)) or 'none'}"
     )
 
 
 def _serve_teacher(args: argparse.Namespace) -> None:
+    import time
+
     from services.common.auth import read_token
     from services.teacher.server import TeacherServerConfig, serve_teacher
 
@@ -329,21 +496,42 @@ def _serve_teacher(args: argparse.Namespace) -> None:
         max_request_sequences=args.max_request_sequences,
         max_request_tokens=args.max_request_tokens,
         max_queue_requests=args.max_queue_requests,
+        warm_shared_prompts=args.warm_shared_prompts,
+        metrics_address=args.metrics_address,
+        metrics_public=args.metrics_public,
     )
     teacher = _served_teacher(args)
+    _, why = _score_shapes(args, teacher.model.config.max_length)
+    if teacher.shapes is None and args.warm_shared_prompts:
+        raise ConfigError(
+            "`--warm-shared-prompts` must come with compiled shapes (--shapes default, or "
+            f"auto when it picks them); received it with no shapes ({why})"
+        )
     stop = threading.Event()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        server = serve_teacher(teacher, config)
+        before, started = teacher.compile_count(), time.monotonic()
+        server = serve_teacher(teacher, config)  # warms up (compiles) before it returns
+        compiled, seconds = teacher.compile_count() - before, time.monotonic() - started
         info = server.info
+        if teacher.shapes is None:
+            warm = f"shapes none ({why}): each shape compiles on first use"
+        else:
+            shared = " and shared prompts" if args.warm_shared_prompts else ""
+            warm = (
+                f"warm-up compiled {compiled} shapes{shared} in {seconds:.1f} s "
+                f"({_describe_shapes(teacher.shapes)})"
+            )
         print(
             f"teacher: vocab {info.vocab_size}, max_length {info.max_length}, model_hash "
             f"{info.model_hash[:12]}, tokenizer_hash {info.tokenizer_hash[:12]}; auth "
             f"{'bearer token' if config.token else 'none'}; tls "
-            f"{'on' if config.tls_cert_file else 'off'}"
+            f"{'on' if config.tls_cert_file else 'off'}; {warm}"
         )
+        if server.metrics_endpoint is not None:
+            print(f"metrics on http://{server.metrics_endpoint.address}/metrics")
         # The line scripts wait for (the port is the bound one when 0 was asked for).
         print(f"serving teacher on {server.address}", flush=True)
         while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
@@ -467,7 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--token-file", help="bearer token for --server (else $DISTILL_TOKEN)")
     score.add_argument("--tls-root-cert", help="PEM roots to verify a TLS --server")
     score.add_argument("--ids", action="store_true", help="TEXT is token ids (with --server)")
-    score.add_argument("--top-k", type=int, default=None)
+    score.add_argument("--top-k", type=int, default=None, help="show the teacher's K best")
+    score.add_argument("--json", action="store_true", help="print one JSON object")
     score.set_defaults(run=_score)
 
     serve = commands.add_parser("serve", help="run a gRPC server until SIGINT / SIGTERM")
@@ -496,6 +685,34 @@ def build_parser() -> argparse.ArgumentParser:
         teacher.add_argument(
             f"--{flag.replace('_', '-')}", type=kind, default=defaults[flag], metavar="N"
         )
+    teacher.add_argument(
+        "--shapes",
+        choices=("auto", "default", "none"),
+        default="auto",
+        help="compiled shapes: default = ScoreShapes.default(max_length, max_batch_sequences), "
+        "warmed up before serving; none = compile on first use; auto (default): default when "
+        "max_batch_sequences x max_length <= max_batch_tokens, else none",
+    )
+    teacher.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="longest sequence served (--hf-checkpoint / --gguf; default: the model's)",
+    )
+    teacher.add_argument(
+        "--warm-shared-prompts",
+        action="store_true",
+        help="the warm-up also compiles the shared-prompt shapes (many more)",
+    )
+    teacher.add_argument(
+        "--metrics-address", metavar="HOST:PORT", help="Prometheus /metrics endpoint (port 0: any)"
+    )
+    teacher.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="allow a non-loopback --metrics-address (the endpoint has no auth)",
+    )
     teacher.set_defaults(run=_serve_teacher)
     return parser
 
