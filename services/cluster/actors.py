@@ -122,7 +122,8 @@ class TeacherReplica:
 
         if self.server is None:
             model = pipeline.load_teacher_run(self.job, self.teacher_run)
-            teacher = InProcessTeacher(model, pipeline.job_tokenizer(self.job))
+            # Its own tokenizer: Score for a same-tokenizer student, ScoreText for another.
+            teacher = InProcessTeacher(model, pipeline.job_teacher_tokenizer(self.job))
             config = TeacherServerConfig(
                 address=f"{self.job.cluster.host}:{port}", token=_token(self.job)
             )

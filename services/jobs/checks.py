@@ -32,8 +32,12 @@ def check_teachers(
     tokenizer: Tokenizer,
     student_vocab: int,
     probe: Sequence[int],
+    *,
+    cross_tokenizer_ok: bool = False,
 ) -> TeacherInfo:
-    """Run both checks over ``teachers`` (``names`` label them in errors, e.g. addresses);
+    """Run both checks over ``teachers`` (``names`` label them in errors, e.g. addresses;
+    ``probe`` is in the teachers' ids; ``cross_tokenizer_ok``: the job scores text with a
+    teacher of another tokenizer, see :func:`~distill.teacher_contract.check_compatible`);
     returns their common info. Raises :class:`CompatibilityError` naming the field or
     :class:`TeacherSelfTestError` naming the replica."""
     if not teachers or len(names) != len(teachers):
@@ -43,7 +47,7 @@ def check_teachers(
     infos = [teacher.info() for teacher in teachers]
     for name, info in zip(names, infos, strict=True):
         try:
-            check_compatible(info, tokenizer, student_vocab)
+            check_compatible(info, tokenizer, student_vocab, cross_tokenizer_ok=cross_tokenizer_ok)
         except CompatibilityError as error:
             raise CompatibilityError(
                 f"teacher {name} is incompatible with the student:\n{error}"

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.data.stream import TaskStream, encode_example
-from distill.job import JobPlan
+from distill.job import JobPlan, job_teacher_tokenizer
 from services.cluster import actors
 from services.cluster.placement import actor_options, start_ray
 from services.common.auth import read_token
@@ -396,8 +396,18 @@ def _check_teachers(job: JobSpec, plan: JobPlan, addresses: list[str]) -> None:
         for address in addresses
     ]
     try:
-        prompt, answer = encode_example(TaskStream(job.data).batch(0, 1)[0], plan.tokenizer)
-        check_teachers(clients, addresses, plan.tokenizer, job.student.vocab_size, prompt + answer)
+        cross = job.teacher_tokenizer is not None
+        # The probe is in the teacher's ids: with another tokenizer, the teacher's own.
+        probe_tokenizer = job_teacher_tokenizer(job) if cross else plan.tokenizer
+        prompt, answer = encode_example(TaskStream(job.data).batch(0, 1)[0], probe_tokenizer)
+        check_teachers(
+            clients,
+            addresses,
+            plan.tokenizer,
+            job.student.vocab_size,
+            prompt + answer,
+            cross_tokenizer_ok=cross,
+        )
     finally:
         for client in clients:
             client.close()

@@ -57,8 +57,8 @@ _LONG_POLL_S = 1.0
 
 
 class TimedTeacher:
-    """A :class:`~distill.teacher_contract.Teacher` that adds up the seconds its ``score``
-    calls take (teacher-call time as a share of step time) and tells whether one is in
+    """A :class:`~distill.teacher_contract.Teacher` (and text teacher, when the wrapped one
+    scores text) that adds up the seconds its ``score`` / ``score_text`` calls take (teacher-call time as a share of step time) and tells whether one is in
     progress (``scoring``: the number of sequences of the call in progress, else 0)."""
 
     def __init__(self, teacher: Teacher):
@@ -72,10 +72,19 @@ class TimedTeacher:
     def score(
         self, sequences: Sequence[Sequence[int]], *, top_k: int | None = None
     ) -> list[ScoredSequence]:
+        return self._timed(len(sequences), self.teacher.score, sequences, top_k=top_k)
+
+    def score_text(self, prompts, completions, *, stopped=None):
+        """The teacher's text scoring (a teacher with another tokenizer), timed the same."""
+        return self._timed(
+            len(completions), self.teacher.score_text, prompts, completions, stopped=stopped
+        )
+
+    def _timed(self, count: int, call, *args, **kwargs):
         start = time.perf_counter()
-        self.scoring = len(sequences)
+        self.scoring = count
         try:
-            return self.teacher.score(sequences, top_k=top_k)
+            return call(*args, **kwargs)
         finally:
             self.scoring = 0
             self.seconds += time.perf_counter() - start
