@@ -4,10 +4,17 @@ A conversation is a sequence of :class:`Turn` (``role`` in ``"system"``, ``"user
 ``"assistant"``; ``content`` a non-empty ``str``); a mapping with exactly the keys ``"role"``
 and ``"content"`` is accepted in place of a :class:`Turn`. :class:`ChatFormat` renders it as::
 
-    [bos]
+    [bos]                                    (unless fmt.bos is False)
+    [default system turn]                    (fmt.default_system, when the first turn is not
+                                              a system turn)
     for each turn:
         system / user:  encode(marker) + encode(content) + encode(end_of_turn)
         assistant:      encode(marker) + encode(content) + [stop_ids[0]]
+
+or, with ``fmt.stop_ends_turn`` (ChatML: :data:`CHATML`), every turn, whatever its role, as
+``encode(marker) + encode(content) + [stop_ids[0]] + encode(end_of_turn)``; the completion of
+an assistant turn is still ``content + [stop_ids[0]]``: the ``end_of_turn`` after the stop id
+is context for a later turn, never generated, scored or trained.
 
 With the default format (markers ``"system:"``, ``"user:"``, ``"assistant:"``, end of turn
 ``"\\n"``) and a :class:`~distill.tokenizer.CharTokenizer`, ``[user "1+1", assistant "2"]``
@@ -18,18 +25,20 @@ piece (marker, content, end of turn) is encoded on its own and the ids are conca
 every turn boundary and the prompt / completion boundary is a token boundary (no merge across
 pieces with a subword tokenizer). Everything goes through the
 :class:`~distill.tokenizer.Tokenizer` protocol (``encode`` and ``special``), so any tokenizer
-of the project works; Hugging Face Jinja chat templates are not rendered here.
+of the project works; Jinja chat templates are never executed here: a template is matched
+to an equivalent format (:func:`distill.models.gguf.chat_format` for SmolLM2's ChatML).
 
 :func:`canonicalize` splits a conversation around its *final assistant span*, the last
 assistant turn in the conversation:
 
-* prompt = ``[bos]`` + every turn before it (earlier assistant turns included: they are
-  context, not trained) + the assistant marker;
+* prompt = ``[bos]`` (if ``fmt.bos``) + the default system turn (if any) + every turn before
+  it (earlier assistant turns included: they are context, not trained) + the assistant marker;
 * completion = its content + ``[stop_ids[0]]`` (the reference answer, e.g. for SFT warm-up);
 * turns after it are cut: they appear in no tokens, positions or segments.
 
 The prompt must hold at least one system or user turn before the final assistant turn
-(otherwise the prompt would be only ``[bos]`` + marker, refused as an empty prompt).
+(otherwise the prompt would be only ``[bos]`` + marker, refused as an empty prompt; a
+``fmt.default_system`` turn does not count).
 :meth:`CanonicalExample.to_row` gives one row of the sequence contract (positions
 ``0..n-1``, segment id 1 on real tokens, the completion one contiguous suffix after the
 prompt). :func:`prompt_for_rollout` gives the prompt the student completes in on-policy
@@ -42,9 +51,10 @@ Fail-closed rules (each raises :class:`ConversationError`, a ``ValueError``, rea
 every turn, cut or not, has a known role and non-empty ``str`` content; for the turns that are
 encoded, the content encodes (a tokenizer error is re-raised naming `conversation[i].content`,
 chained to the original), to at least one id, with no stop id and no mask id, and system / user
-content does not contain ``end_of_turn`` (the turn would appear to end early); a completion
-needs an assistant turn, non-empty context before it; format pieces encode to at least one id
-with no stop id and no mask id. Turns may come in any order (consecutive turns of one role are
+content does not contain ``end_of_turn`` (the turn would appear to end early; not checked with
+``fmt.stop_ends_turn``, where the stop id ends the turn); a completion needs an assistant turn,
+non-empty context before it; format pieces (markers, a non-empty ``end_of_turn``,
+``default_system``) encode to at least one id with no stop id and no mask id. Turns may come in any order (consecutive turns of one role are
 allowed). The batch helpers name the failing conversation as `conversations[j]...`.
 """
 
@@ -59,6 +69,7 @@ import numpy as np
 from distill.tokenizer import Tokenizer
 
 __all__ = [
+    "CHATML",
     "DEFAULT_FORMAT",
     "ROLES",
     "CanonicalBatch",
@@ -99,25 +110,54 @@ class Turn:
 
 @dataclasses.dataclass(frozen=True)
 class ChatFormat:
-    """Role markers and the end-of-turn text of system / user turns (module docstring).
+    """Role markers, the end-of-turn text and where bos and stop ids go (module docstring).
 
-    Every field is a non-empty ``str``; the three markers are distinct and none contains
-    ``end_of_turn``. Assistant turns always end with the tokenizer's first stop id.
+    * ``system`` / ``user`` / ``assistant``: the role markers, non-empty and distinct.
+    * ``end_of_turn``: ends system / user turns (``stop_ends_turn=False``: a non-empty ``str``
+      that no marker contains), or follows the stop id that ends every turn
+      (``stop_ends_turn=True``: may be ``""``, and markers and contents may contain it).
+    * ``bos``: whether rendering starts with the tokenizer's bos id (ChatML: no; its bos token,
+      if any, is not placed before the first marker).
+    * ``stop_ends_turn``: every turn ends with the tokenizer's first stop id followed by
+      ``end_of_turn`` (ChatML: ``<|im_end|>`` then ``"\n"``; the tokenizer's first stop token
+      must then be the end-of-turn token). Assistant turns always end with that stop id.
+    * ``default_system``: when set (a non-empty ``str``), a system turn with this content is
+      rendered first whenever the conversation's first turn is not a system turn, as some
+      chat templates do (SmolLM2's).
+
+    The defaults are the project's plain format (:data:`DEFAULT_FORMAT`).
     """
 
     system: str = "system:"
     user: str = "user:"
     assistant: str = "assistant:"
     end_of_turn: str = "\n"
+    bos: bool = True
+    stop_ends_turn: bool = False
+    default_system: str | None = None
 
     def __post_init__(self) -> None:
-        for name in (*ROLES, "end_of_turn"):
+        for name in ROLES:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise _error(f"fmt.{name}", "be a non-empty str", repr(value))
+        for name in ("bos", "stop_ends_turn"):
+            if not isinstance(getattr(self, name), bool):
+                raise _error(f"fmt.{name}", "be a bool", repr(getattr(self, name)))
+        if not isinstance(self.end_of_turn, str) or not (self.end_of_turn or self.stop_ends_turn):
+            must = "be a str" if self.stop_ends_turn else "be a non-empty str"
+            raise _error("fmt.end_of_turn", must, repr(self.end_of_turn))
+        if self.default_system is not None and (
+            not isinstance(self.default_system, str) or not self.default_system
+        ):
+            raise _error(
+                "fmt.default_system", "be None or a non-empty str", repr(self.default_system)
+            )
         markers = [self.system, self.user, self.assistant]
         if len(set(markers)) != len(markers):
             raise _error("fmt", "have three distinct role markers", repr(markers))
+        if self.stop_ends_turn:
+            return  # the stop id ends a turn: markers and contents may hold end_of_turn
         for name in ROLES:
             if self.end_of_turn in getattr(self, name):
                 raise _error(
@@ -125,6 +165,12 @@ class ChatFormat:
                     f"not contain `fmt.end_of_turn` ({self.end_of_turn!r})",
                     repr(getattr(self, name)),
                 )
+        if self.default_system is not None and self.end_of_turn in self.default_system:
+            raise _error(
+                "fmt.default_system",
+                f"not contain `fmt.end_of_turn` ({self.end_of_turn!r})",
+                repr(self.default_system),
+            )
 
     def marker(self, role: str) -> str:
         """The marker of ``role`` (one of :data:`ROLES`)."""
@@ -135,6 +181,19 @@ class ChatFormat:
 
 #: ``system:`` / ``user:`` / ``assistant:`` markers, ``"\n"`` ends system and user turns.
 DEFAULT_FORMAT = ChatFormat()
+
+#: ChatML (``<|im_start|>{role}\n{content}<|im_end|>\n``): no bos, every turn ends with the
+#: tokenizer's first stop id, which must be ``<|im_end|>``, then ``"\n"``. A model whose
+#: template adds a default system turn needs ``dataclasses.replace(CHATML,
+#: default_system=...)`` (:func:`distill.models.gguf.chat_format` knows SmolLM2's).
+CHATML = ChatFormat(
+    system="<|im_start|>system\n",
+    user="<|im_start|>user\n",
+    assistant="<|im_start|>assistant\n",
+    end_of_turn="\n",
+    bos=False,
+    stop_ends_turn=True,
+)
 
 
 class ExampleRow(NamedTuple):
@@ -267,7 +326,14 @@ class _Encoder:
         self.pieces = {
             piece: self.encode(f"fmt.{piece}", getattr(fmt, piece))
             for piece in (*ROLES, "end_of_turn")
+            if getattr(fmt, piece)
         }
+        self.pieces.setdefault("end_of_turn", [])  # "" (allowed with stop_ends_turn)
+        self.default_system = (
+            None
+            if fmt.default_system is None
+            else self.encode("fmt.default_system", fmt.default_system)
+        )
 
     def encode(self, field: str, text: str) -> list[int]:
         try:
@@ -286,21 +352,39 @@ class _Encoder:
                 )
         return ids
 
+    def end(self, role: str) -> list[int]:
+        """The ids that end a turn of ``role``."""
+        if self.fmt.stop_ends_turn:
+            return [self.stop_id, *self.pieces["end_of_turn"]]
+        return [self.stop_id] if role == "assistant" else self.pieces["end_of_turn"]
+
     def turn(self, index: int, turn: Turn) -> list[int]:
         field = f"{self.name}[{index}].content"
-        if turn.role != "assistant" and self.fmt.end_of_turn in turn.content:
+        if (
+            not self.fmt.stop_ends_turn
+            and turn.role != "assistant"
+            and self.fmt.end_of_turn in turn.content
+        ):
             raise _error(
                 field,
                 f"not contain `fmt.end_of_turn` ({self.fmt.end_of_turn!r}) in a {turn.role} turn",
                 repr(turn.content),
             )
         content = self.encode(field, turn.content)
-        end = [self.stop_id] if turn.role == "assistant" else self.pieces["end_of_turn"]
-        return [*self.pieces[turn.role], *content, *end]
+        return [*self.pieces[turn.role], *content, *self.end(turn.role)]
 
-    def prompt(self, turns: Sequence[Turn]) -> list[int]:
-        """``[bos]`` + the turns + the assistant marker."""
-        ids = [self.bos_id]
+    def start(self, turns: Sequence[Turn]) -> list[int]:
+        """``[bos]`` (if ``fmt.bos``) + the default system turn (if the first turn is not a
+        system turn)."""
+        ids = [self.bos_id] if self.fmt.bos else []
+        if self.default_system is not None and (not turns or turns[0].role != "system"):
+            ids += [*self.pieces["system"], *self.default_system, *self.end("system")]
+        return ids
+
+    def prompt(self, turns: Sequence[Turn], conversation: Sequence[Turn]) -> list[int]:
+        """The start (:meth:`start` of the whole ``conversation``) + ``turns`` + the assistant
+        marker."""
+        ids = self.start(conversation)
         for index, turn in enumerate(turns):
             ids.extend(self.turn(index, turn))
         ids.extend(self.pieces["assistant"])
@@ -333,7 +417,7 @@ def _canonicalize(
             f"roles {[turn.role for turn in turns]}",
         )
     _context_check(turns, final, name)
-    prompt_ids = encoder.prompt(turns[:final])
+    prompt_ids = encoder.prompt(turns[:final], turns)
     completion_ids = [*encoder.encode(f"{name}[{final}].content", turns[final].content)]
     completion_ids.append(encoder.stop_id)
     return CanonicalExample(
@@ -369,7 +453,7 @@ def _prompt_for_rollout(
     encoder = _Encoder(tokenizer, fmt, name)
     end = len(turns) - 1 if turns[-1].role == "assistant" else len(turns)
     _context_check(turns, end, name)
-    return encoder.prompt(turns[:end])
+    return encoder.prompt(turns[:end], turns)
 
 
 def prompt_for_rollout(
@@ -442,13 +526,20 @@ def render_text(
 
     ``bos_text`` / ``stop_text`` stand for the bos and stop ids (the defaults are the names a
     :class:`~distill.tokenizer.CharTokenizer` decodes them to with ``skip_special=False``;
-    pass ``""`` to match ``skip_special=True``). With ``add_generation_prompt`` the assistant
-    marker is appended. Only the structure is checked (roles, non-empty ``str`` content).
+    pass ``""`` to match ``skip_special=True``; with :data:`CHATML` and SmolLM2's tokenizer
+    pass ``stop_text="<|im_end|>"``). With ``add_generation_prompt`` the assistant marker is
+    appended. Only the structure is checked (roles, non-empty ``str`` content).
     """
     fmt = _check_fmt(fmt)
-    parts = [bos_text]
-    for turn in _check_conversation(conversation, "conversation"):
-        end = stop_text if turn.role == "assistant" else fmt.end_of_turn
+    turns = _check_conversation(conversation, "conversation")
+    parts = [bos_text] if fmt.bos else []
+    if fmt.default_system is not None and turns[0].role != "system":
+        turns = [Turn("system", fmt.default_system), *turns]
+    for turn in turns:
+        if fmt.stop_ends_turn:
+            end = stop_text + fmt.end_of_turn
+        else:
+            end = stop_text if turn.role == "assistant" else fmt.end_of_turn
         parts.extend((fmt.marker(turn.role), turn.content, end))
     if add_generation_prompt:
         parts.append(fmt.assistant)

@@ -157,3 +157,22 @@ def test_block_size_one_with_shifted_seed_and_mask_is_refused_by_name(tmp_path):
 def test_threshold_description_says_one_never_clears():
     description = RolloutConfig.model_fields["threshold"].description
     assert "1.0 never clears" in description and "one token per step" in description
+
+
+def test_mask_appended_allows_exactly_one_more_student_id(tmp_path):
+    # A student initialized from a pretrained teacher has the teacher's ids plus the mask.
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB_YAML)
+    job = load_config(path, JobConfig, ["student.vocab_size=51", "mask_appended=true"])
+    assert (job.student.vocab_size, job.teacher.vocab_size) == (51, 50)
+    for size in (50, 52):
+        with pytest.raises(ConfigError, match=r"`student.vocab_size` must equal 51 \(teacher"):
+            load_config(path, JobConfig, [f"student.vocab_size={size}", "mask_appended=true"])
+    from distill.job import job_tokenizer
+
+    # The default char tokenizer has 51 ids: the teacher's 50 rows plus the mask.
+    assert job_tokenizer(job).vocab_size == 51
+    with pytest.raises(ValueError, match=r"`teacher.vocab_size` must equal the tokenizer's 51 - 1"):
+        job_tokenizer(
+            job.model_copy(update={"teacher": job.teacher.model_copy(update={"vocab_size": 51})})
+        )

@@ -1,9 +1,12 @@
 """Tests for distill.conversation: chat format, canonical split, rows, fail-closed errors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from distill.conversation import (
+    CHATML,
     DEFAULT_FORMAT,
     CanonicalExample,
     ChatFormat,
@@ -277,3 +280,140 @@ def test_default_format_encodable_by_default_alphabet():
     assert DEFAULT_FORMAT.marker("user") == "user:"
     with pytest.raises(ConversationError, match=r"^`role` must be one of"):
         DEFAULT_FORMAT.marker("tool")
+
+
+# ---- bos, stop-ended turns, default system turn (ChatML) ------------------------------------
+
+# ChatML's shape with the CharTokenizer's alphabet: the stop id ends every turn, then "\n".
+CHATML_LIKE = ChatFormat(
+    system="system\n",
+    user="user\n",
+    assistant="assistant\n",
+    end_of_turn="\n",
+    bos=False,
+    stop_ends_turn=True,
+)
+
+
+def test_stop_ended_turns_without_bos():
+    conversation = [
+        Turn("system", "be brief"),
+        Turn("user", "two\nlines"),  # end_of_turn inside content: the stop id ends the turn
+        Turn("assistant", "ok"),
+        Turn("user", "1+1"),
+        Turn("assistant", "2"),
+    ]
+    example = canonicalize(conversation, TOK, CHATML_LIKE)
+    prompt = [
+        *enc("system\nbe brief"),
+        STOP,
+        *enc("\nuser\ntwo\nlines"),
+        STOP,
+        *enc("\nassistant\nok"),
+        STOP,
+        *enc("\nuser\n1+1"),
+        STOP,
+        *enc("\nassistant\n"),
+    ]
+    assert list(example.prompt_ids) == prompt
+    assert list(example.completion_ids) == [*enc("2"), STOP]  # no "\n" after the stop
+    assert prompt_for_rollout(conversation, TOK, CHATML_LIKE) == prompt
+    assert prompt_for_rollout(conversation[:4], TOK, CHATML_LIKE) == prompt
+    text = TOK.decode(example.to_row().tokens, skip_special=False)
+    assert text + "\n" == render_text(conversation, CHATML_LIKE)
+    assert TOK.decode(prompt, skip_special=False) == render_text(
+        conversation[:4], CHATML_LIKE, add_generation_prompt=True
+    )
+    # An empty end of turn: turns end with the stop id alone.
+    bare = dataclasses.replace(CHATML_LIKE, end_of_turn="")
+    assert prompt_for_rollout(conversation[1:2], TOK, bare) == [
+        *enc("user\ntwo\nlines"),
+        STOP,
+        *enc("assistant\n"),
+    ]
+    assert render_text(conversation[1:2], bare) == "user\ntwo\nlines<eos>"
+
+
+def test_default_system_turn_when_the_first_turn_is_not_system():
+    fmt = dataclasses.replace(CHATML_LIKE, default_system="be kind")
+    default = [*enc("system\nbe kind"), STOP, *enc("\n")]
+    user_first = [Turn("user", "hi"), Turn("assistant", "yo")]
+    assert list(canonicalize(user_first, TOK, fmt).prompt_ids) == [
+        *default,
+        *enc("user\nhi"),
+        STOP,
+        *enc("\nassistant\n"),
+    ]
+    assert render_text(user_first, fmt).startswith("system\nbe kind<eos>\nuser\nhi")
+    # A conversation that starts with its own system turn gets no default one.
+    system_first = [Turn("system", "s"), *user_first]
+    assert list(canonicalize(system_first, TOK, fmt).prompt_ids)[: len(enc("system\ns"))] == enc(
+        "system\ns"
+    )
+    assert render_text(system_first, fmt) == render_text(system_first, CHATML_LIKE)
+    # With the plain format and bos: [bos] + the default turn ended by end_of_turn.
+    plain = ChatFormat(default_system="be kind")
+    assert prompt_for_rollout([Turn("user", "q")], TOK, plain) == [
+        BOS,
+        *enc("system:be kind\nuser:q\nassistant:"),
+    ]
+    # The default turn is not context: a conversation still needs a system or user turn.
+    with pytest.raises(ConversationError, match=r"must have a system or user turn"):
+        canonicalize([Turn("assistant", "x")], TOK, fmt)
+
+
+def test_new_format_fields_are_validated():
+    with pytest.raises(ConversationError, match=r"^`fmt\.bos` must be a bool; received 1"):
+        ChatFormat(bos=1)
+    with pytest.raises(ConversationError, match=r"^`fmt\.stop_ends_turn` must be a bool"):
+        ChatFormat(stop_ends_turn="yes")
+    with pytest.raises(ConversationError, match=r"^`fmt\.end_of_turn` must be a non-empty str"):
+        ChatFormat(end_of_turn="")
+    with pytest.raises(ConversationError, match=r"^`fmt\.end_of_turn` must be a str"):
+        ChatFormat(end_of_turn=None, stop_ends_turn=True)
+    with pytest.raises(ConversationError, match=r"^`fmt\.default_system` must be None or a non"):
+        ChatFormat(default_system="")
+    with pytest.raises(ConversationError, match=r"^`fmt\.default_system` must not contain"):
+        ChatFormat(default_system="a\nb")
+    # Markers may contain end_of_turn only when the stop id ends turns.
+    with pytest.raises(ConversationError, match=r"^`fmt\.system` must not contain `fmt\.end_of"):
+        dataclasses.replace(CHATML_LIKE, stop_ends_turn=False)
+    with pytest.raises(ConversationError, match=r"^`fmt\.default_system` must be encodable"):
+        canonicalize(
+            [Turn("user", "x"), Turn("assistant", "y")],
+            TOK,
+            dataclasses.replace(CHATML_LIKE, default_system="HI"),
+        )
+
+
+def test_chatml_preset_with_a_byte_level_tokenizer(tmp_path):
+    # The tiny GGUF of tests/models/test_gguf.py: <|endoftext|>=0, <|im_start|>=1 (bos),
+    # <|im_end|>=2 (the stop), then byte-level BPE.
+    from distill.models import gguf
+    from tests.models.test_gguf import tiny_hf_weights, write_tiny_gguf
+
+    tokenizer = gguf.load_tokenizer(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_hf_weights()))
+    assert (tokenizer.special.bos_id, tokenizer.special.stop_ids) == (1, (2,))
+    conversation = [
+        Turn("system", "Be brief."),
+        Turn("user", "Say\nhello world"),
+        Turn("assistant", "hello world"),
+    ]
+    example = canonicalize(conversation, tokenizer, CHATML)
+    text = render_text(conversation, CHATML, stop_text="<|im_end|>")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay\nhello world<|im_end|>\n"
+        "<|im_start|>assistant\nhello world<|im_end|>\n"
+    )
+    # Pieces encoded one by one give the ids of the whole text: every boundary is a token one.
+    assert [*example.prompt_ids, *example.completion_ids, *tokenizer.encode("\n")] == (
+        tokenizer.encode(text)
+    )
+    assert example.completion_ids[-1] == 2 and example.prompt_ids[0] == 1  # <|im_start|>
+    generation = render_text(conversation[:2], CHATML, stop_text="<|im_end|>", bos_text="")
+    prompt = prompt_for_rollout(conversation[:2], tokenizer, CHATML)
+    assert (
+        prompt
+        == list(example.prompt_ids)
+        == tokenizer.encode(generation + "<|im_start|>assistant\n")
+    )

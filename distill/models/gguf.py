@@ -18,6 +18,8 @@ Public API:
   mean of the teacher's rows).
 * :func:`load_tokenizer` -- the pipeline tokenizer only (metadata, no tensors).
 * :func:`read_gguf_config` -- the :class:`~distill.config.ModelConfig` without the tensors.
+* :func:`chat_format` -- the :class:`~distill.conversation.ChatFormat` that renders the file's
+  chat template (ChatML with SmolLM2's default system turn), id for id.
 * :func:`smollm2_path` -- the SmolLM2-135M-Instruct GGUF file, fetched on first use into the
   cache (:func:`cache_dir`) and verified against its recorded SHA-256; :func:`resolve_gguf`
   turns a command-line ``--gguf`` value (a file, or ``smollm2``) into a path.
@@ -67,17 +69,21 @@ import numpy as np
 import tokenizers
 
 from distill.config import ModelConfig
+from distill.conversation import CHATML, ChatFormat
 from distill.models import hf
 from distill.models.hf import CheckpointError
 from distill.models.transformer import Transformer
 from distill.tokenizer import HFTokenizer, TokenizerError
 
 __all__ = [
+    "CHAT_FORMATS",
     "SMOLLM2",
+    "SMOLLM2_SYSTEM",
     "SOURCES",
     "GGUFCheckpoint",
     "GGUFSource",
     "cache_dir",
+    "chat_format",
     "fetch",
     "hf_tensor_name",
     "init_student",
@@ -578,6 +584,51 @@ def load_tokenizer(
         mask_token=mask_token, pad_token=pad_token, bos_token=bos_token, stop_tokens=stop_tokens
     )
     return _tokenizer(file, config.vocab_size, tokens)[0]
+
+
+# ---- chat template ---------------------------------------------------------------------------
+
+#: The system turn SmolLM2's chat template puts first when a conversation has none.
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+#: SHA-256 of a ``tokenizer.chat_template`` -> the format that renders it, id for id (tested
+#: against transformers' ``apply_chat_template`` in ``tests/models/test_gguf.py``).
+CHAT_FORMATS: Mapping[str, ChatFormat] = types.MappingProxyType(
+    {
+        # SmolLM2-135M-Instruct: ChatML, default system turn, <|im_end|> the first stop.
+        "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788": dataclasses.replace(
+            CHATML, default_system=SMOLLM2_SYSTEM
+        ),
+    }
+)
+
+
+def chat_format(source: GGUFCheckpoint | str | os.PathLike[str]) -> ChatFormat:
+    """The :class:`~distill.conversation.ChatFormat` equivalent to the chat template of a
+    loaded :class:`GGUFCheckpoint` or of the GGUF file at a path (metadata only).
+
+    Only templates listed in :data:`CHAT_FORMATS` (by SHA-256) are known; any other template,
+    or none, raises :class:`CheckpointError` naming ``tokenizer.chat_template``: a Jinja
+    template is never guessed at. The tokenizer's first stop token must be ``<|im_end|>``
+    (the format ends every turn with the first stop id)."""
+    if isinstance(source, GGUFCheckpoint):
+        template, where = source.chat_template, source.path
+        stop = source.tokenizer.decode(source.tokenizer.special.stop_ids[:1], skip_special=False)
+    else:
+        file = _open(source)
+        template, where = file.metadata.get("tokenizer.chat_template"), file.path
+        tokens = file.metadata.get("tokenizer.ggml.tokens", [])
+        eos = file.metadata.get("tokenizer.ggml.eos_token_id")
+        stop = tokens[eos] if isinstance(eos, int) and 0 <= eos < len(tokens) else None
+    if not isinstance(template, str):
+        raise _error("tokenizer.chat_template", "be set", template, where)
+    digest = hashlib.sha256(template.encode()).hexdigest()
+    if digest not in CHAT_FORMATS:
+        raise _error(
+            "tokenizer.chat_template", "be a known template (CHAT_FORMATS)", f"SHA-256 {digest}"
+        )
+    if stop != "<|im_end|>":
+        raise _error("stop_tokens", "start with '<|im_end|>' for a ChatML template", stop, where)
+    return CHAT_FORMATS[digest]
 
 
 # ---- tensors ---------------------------------------------------------------------------------

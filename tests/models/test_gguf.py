@@ -258,6 +258,26 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         gguf.load_teacher(tmp_path / "missing.gguf")
 
 
+def test_corrupt_files_and_unsupported_tensor_types_are_refused(tmp_path):
+    weights = tiny_hf_weights()
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", weights)
+    data = path.read_bytes()
+    # Cut inside the tensor data: the header promises bytes the file does not hold.
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match="^`path` must be a readable GGUF file"):
+        gguf.load_teacher(tmp_path / "cut.gguf")
+    # A damaged header (the GGUF version field).
+    (tmp_path / "version.gguf").write_bytes(data[:4] + b"\xff\xff\x00\x00" + data[8:])
+    with pytest.raises(CheckpointError, match="^`path` must be a readable GGUF file"):
+        gguf.load_teacher(tmp_path / "version.gguf")
+    # A tensor type gguf cannot dequantize (F64), named with the tensor.
+    weights["model.norm.weight"] = weights["model.norm.weight"].astype(np.float64)
+    f64 = write_tiny_gguf(tmp_path / "f64.gguf", weights)
+    message = "^`output_norm.weight` must have a type gguf can dequantize; received 'F64'"
+    with pytest.raises(CheckpointError, match=message):
+        gguf.load_teacher(f64)
+
+
 # ---- the real file ---------------------------------------------------------------------------
 
 
@@ -429,6 +449,83 @@ def test_tokenizer_matches_transformers(teacher, reference):
     assert tokenizer.encode("a<|mask|>") == [*tokenizer.encode("a"), 49152]
 
 
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2+2?\nThink. Ünïcödé 😀"},
+        {"role": "assistant", "content": "4"},
+    ],
+    [  # no system turn: the template adds SmolLM2's default one
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue, like the sky."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Green."},
+    ],
+]
+
+
+@pytest.mark.slow
+def test_conversation_renders_the_files_chat_template_id_for_id(path, teacher, reference):
+    from distill.conversation import canonicalize, prompt_for_rollout, render_text
+
+    _, _, ref_tokenizer = reference
+    checkpoint = teacher[1]
+    tokenizer = checkpoint.tokenizer
+    fmt = gguf.chat_format(checkpoint)
+    assert gguf.chat_format(path) == fmt and fmt.default_system == gguf.SMOLLM2_SYSTEM
+
+    def template(conversation, generation):
+        ids = ref_tokenizer.apply_chat_template(
+            conversation, tokenize=True, add_generation_prompt=generation, return_dict=False
+        )
+        text = ref_tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=generation
+        )
+        assert (
+            render_text(conversation, fmt, stop_text="<|im_end|>", add_generation_prompt=generation)
+            == text
+        )
+        return list(ids)
+
+    for conversation in CONVERSATIONS:
+        example = canonicalize(conversation, tokenizer, fmt)
+        # The whole conversation: prompt + completion (+ the "\n" after <|im_end|>, which
+        # follows the stop: never generated nor scored).
+        whole = [*example.prompt_ids, *example.completion_ids, *tokenizer.encode("\n")]
+        assert whole == template(conversation, False)
+        # With the generation prompt: what the student completes.
+        context = conversation[:-1]
+        assert list(example.prompt_ids) == template(context, True)
+        assert prompt_for_rollout(context, tokenizer, fmt) == template(context, True)
+        assert example.completion_ids[-1] == tokenizer.special.stop_ids[0] == 2  # <|im_end|>
+
+
+def test_unknown_chat_templates_are_refused(tmp_path):
+    weights = tiny_hf_weights()
+    path = write_tiny_gguf(tmp_path / "none.gguf", weights)
+    with pytest.raises(CheckpointError, match="^`tokenizer.chat_template` must be set"):
+        gguf.chat_format(path)
+    other = write_tiny_gguf(
+        tmp_path / "other.gguf", weights, meta={"tokenizer.chat_template": "{{ messages }}"}
+    )
+    with pytest.raises(CheckpointError, match="^`tokenizer.chat_template` must be a known"):
+        gguf.chat_format(other)
+    # SmolLM2's template (read from the real file's metadata) on the tiny file is known, as
+    # long as the first stop token is <|im_end|>.
+    smollm2 = gguf._open(gguf.smollm2_path()).metadata["tokenizer.chat_template"]
+    known = write_tiny_gguf(
+        tmp_path / "known.gguf", weights, meta={"tokenizer.chat_template": smollm2}
+    )
+    assert gguf.chat_format(known).default_system == gguf.SMOLLM2_SYSTEM
+    wrong_stop = write_tiny_gguf(
+        tmp_path / "stop.gguf",
+        weights,
+        meta={"tokenizer.chat_template": smollm2, "tokenizer.ggml.eos_token_id": 0},
+    )
+    with pytest.raises(CheckpointError, match="^`stop_tokens` must start with '<\\|im_end"):
+        gguf.chat_format(wrong_stop)
+
+
 def test_numbers_are_split_off_as_llama_cpps_smollm_pre_tokenizer_does(tokenizer):
     # `tokenizer.ggml.pre` = "smollm": llama.cpp splits every \p{N} character off before the
     # GPT-2 regex. transformers' GGUF tokenizer skips that split, so on a non-ASCII numeral
@@ -461,6 +558,40 @@ def test_student_from_the_same_weights_appends_the_mask_row(path, teacher):
     tokens, positions, segments = batch([ids], tokenizer.special.pad_id)
     logits = our_logits(student, tokens, positions, segments)
     assert logits.shape == (1, len(ids), 49153) and np.isfinite(logits).all()
+
+
+@pytest.mark.slow
+def test_served_teacher_prefers_a_natural_sentence_to_its_words_shuffled(teacher):
+    # In-process gRPC server on loopback and the client: what a learner sees of the teacher.
+    from distill.teacher import InProcessTeacher
+    from services.teacher.client import RemoteTeacher
+    from services.teacher.server import serve_teacher
+
+    model, checkpoint = teacher
+    tokenizer = checkpoint.tokenizer
+    natural = "The capital of France is Paris."
+    shuffled = "Paris. is France of capital The"  # the same words, reversed
+    assert sorted(natural.rstrip(".").split()) == sorted(shuffled.replace(".", "").split())
+    # No bos: SmolLM2's bos is <|im_start|>, which opens a ChatML turn, not plain text.
+    sequences = [tokenizer.encode(text) for text in (natural, shuffled)]
+    with_bos = [[tokenizer.special.bos_id, *ids] for ids in sequences]
+    local = InProcessTeacher(model, tokenizer)
+    with serve_teacher(local) as server, RemoteTeacher(server.address) as remote:
+        info = remote.info()
+        scored = remote.score(sequences)
+        scored_bos = remote.score(with_bos)
+    assert info.tokenizer_hash == tokenizer.content_hash() and info.vocab_size == 49152
+    totals = [float(np.sum(item.log_probs)) for item in scored]
+    totals_bos = [float(np.sum(item.log_probs)) for item in scored_bos]
+    print(
+        f"log-prob (nats): natural {totals[0]:.2f}, shuffled {totals[1]:.2f}; after bos "
+        f"{totals_bos[0]:.2f}, {totals_bos[1]:.2f}"
+    )
+    # transformers on the same file: about -15 and -57 nats.
+    assert -25 < totals[0] < -8 and totals[1] < -40 and totals[0] - totals[1] > 25, totals
+    assert totals_bos[0] - totals_bos[1] > 25, totals_bos
+    for served, direct in zip(scored, local.score(sequences), strict=True):
+        np.testing.assert_allclose(served.log_probs, direct.log_probs, atol=1e-6)
 
 
 @pytest.mark.slow
