@@ -298,7 +298,9 @@ def test_a_rollout_worker_killed_mid_rollout_is_restarted_and_every_sample_train
     assert error is None, error
     status = result.status
     assert status["step"] == STEPS and status["error"] == ""
-    assert status["released_shards"] >= 1  # the lost shard went out again at once
+    # Not asserted: released_shards >= 1. The worker may have finished pushing its shard
+    # between the status read and the SIGSTOP (the learner then has nothing to release);
+    # what must hold either way is below.
     assert status["accepted_rows"] == STEPS * rows_per_step(job)  # none accepted twice
     assert ledger(running.run) == [[0, STEPS * BATCH]]
     print(f"rollout worker restarted in {restart_s:.1f} s")
