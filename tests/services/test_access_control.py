@@ -25,15 +25,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from flax import nnx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from distill import pipeline
-from distill.config import ConfigError, ModelConfig
-from distill.models.transformer import Transformer
+from distill.config import ConfigError
 from distill.opd.learner import OpdLearner
 from distill.teacher import InProcessTeacher
-from distill.tokenizer import CharTokenizer
 from services import cli
 from services.common.auth import TokenError, read_token
 from services.common.config import ClusterConfig, ServerConfig
@@ -43,7 +40,7 @@ from services.proto import learner_pb2, teacher_pb2
 from services.teacher.client import RemoteTeacher
 from services.teacher.server import SERVICE_NAME as TEACHER
 from services.teacher.server import TeacherServerConfig, serve_teacher
-from tests.support.fakes import tiny_job, tiny_models
+from tests.support.fakes import tiny_char_teacher, tiny_job, tiny_models
 
 TOKEN = "acl-Zq8r2VtY6pLw4Xn0"
 WAIT_S = 60
@@ -100,18 +97,7 @@ def tls_channel(address: str, cert_file: Path) -> grpc.Channel:
 @pytest.fixture(scope="module")
 def teacher_server(tls):
     (cert_file, key_file), _ = tls
-    tokenizer = CharTokenizer()
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=32,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=64,
-        attention_type="causal",
-        init_std=0.2,
-        max_length=64,
-    )
-    teacher = InProcessTeacher(Transformer(config, rngs=nnx.Rngs(0)), tokenizer)
+    teacher = tiny_char_teacher(max_length=64, seed=0)
     server_config = TeacherServerConfig(
         token=TOKEN, tls_cert_file=str(cert_file), tls_key_file=str(key_file)
     )

@@ -37,16 +37,12 @@ import threading
 
 import grpc
 import pytest
-from flax import nnx
 
 from distill import pipeline
-from distill.config import ModelConfig
 from distill.diffusion.denoise import rollout
-from distill.models.transformer import Transformer
 from distill.opd.learner import OpdLearner
 from distill.opd.records import RolloutBatch
 from distill.teacher import InProcessTeacher
-from distill.tokenizer import CharTokenizer
 from services import cli
 from services.common.auth import bearer_metadata
 from services.common.config import ServerConfig
@@ -56,7 +52,7 @@ from services.proto import learner_pb2, learner_pb2_grpc, teacher_pb2, teacher_p
 from services.rollout.messages import rows_to_proto
 from services.teacher.server import SERVICE_NAME as TEACHER
 from services.teacher.server import TeacherServerConfig, serve_teacher
-from tests.support.fakes import ROOT, tiny_job, tiny_models
+from tests.support.fakes import ROOT, tiny_char_teacher, tiny_job, tiny_models
 
 TOKEN = "bad-inputs-token"
 AUTH = bearer_metadata(TOKEN)
@@ -81,18 +77,7 @@ def raw(channel, method):
 
 @pytest.fixture(scope="module")
 def teacher_server():
-    tokenizer = CharTokenizer()
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=32,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=64,
-        attention_type="causal",
-        init_std=0.2,
-        max_length=64,
-    )
-    teacher = InProcessTeacher(Transformer(config, rngs=nnx.Rngs(0)), tokenizer)
+    teacher = tiny_char_teacher(max_length=64, seed=0)
     server_config = TeacherServerConfig(
         token=TOKEN, max_request_sequences=8, max_request_tokens=256, max_request_text_bytes=512
     )

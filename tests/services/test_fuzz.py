@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distill import pipeline
-from distill.config import ModelConfig
 from distill.diffusion.denoise import rollout
-from distill.models.transformer import Transformer
 from distill.opd.learner import OpdLearner
 from distill.opd.records import RolloutBatch
 from distill.teacher import InProcessTeacher
-from distill.tokenizer import CharTokenizer
 from services.common.auth import bearer_metadata
 from services.common.config import ServerConfig
 from services.learner.service import SERVICE_NAME as LEARNER
@@ -34,7 +30,7 @@ from services.proto.rollout_pb2 import TraceRow
 from services.rollout.messages import rows_to_proto
 from services.teacher.server import SERVICE_NAME as TEACHER
 from services.teacher.server import TeacherServerConfig, serve_teacher
-from tests.support.fakes import tiny_job, tiny_models
+from tests.support.fakes import tiny_char_teacher, tiny_job, tiny_models
 
 #: Examples per message type.
 EXAMPLES = 200
@@ -273,18 +269,7 @@ def test_fuzzed_work_requests_and_raw_bytes_never_crash_the_learner(learner):
 
 @pytest.fixture(scope="module")
 def teacher():
-    tokenizer = CharTokenizer()
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=32,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=64,
-        attention_type="causal",
-        init_std=0.2,
-        max_length=32,
-    )
-    model = InProcessTeacher(Transformer(config, rngs=nnx.Rngs(0)), tokenizer)
+    model = tiny_char_teacher(max_length=32, seed=0)
     server_config = TeacherServerConfig(
         token=TOKEN,
         max_request_sequences=8,

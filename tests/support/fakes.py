@@ -83,3 +83,23 @@ class ScriptedTeacher:
             return scored
         shift = np.float32(self.drift * self.calls)
         return [dataclasses.replace(s, log_probs=s.log_probs - shift) for s in scored]
+
+
+def tiny_char_teacher(*, max_length: int = 64, seed: int = 0, **teacher_options):
+    """An untrained tiny causal teacher on the character tokenizer (the services tests'
+    teacher); ``teacher_options`` go to :class:`InProcessTeacher` (e.g. ``shapes``)."""
+    from distill.config import ModelConfig
+    from distill.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer()
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        attention_type="causal",
+        init_std=0.2,
+        max_length=max_length,
+    )
+    return InProcessTeacher(Transformer(config, rngs=nnx.Rngs(seed)), tokenizer, **teacher_options)

@@ -21,17 +21,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from flax import nnx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from distill.config import ModelConfig
-from distill.models.transformer import Transformer
 from distill.teacher import InProcessTeacher
-from distill.tokenizer import CharTokenizer
 from services.common.auth import bearer_metadata
 from services.proto import teacher_pb2, teacher_pb2_grpc
 from services.teacher.server import SERVICE_NAME, TeacherServerConfig, serve_teacher
+from tests.support.fakes import tiny_char_teacher
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "s3cret-teacher-token"
@@ -42,18 +39,7 @@ REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 
 
 def tiny_teacher() -> InProcessTeacher:
-    tokenizer = CharTokenizer()
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=32,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=64,
-        attention_type="causal",
-        init_std=0.2,
-        max_length=64,
-    )
-    return InProcessTeacher(Transformer(config, rngs=nnx.Rngs(0)), tokenizer)
+    return tiny_char_teacher(max_length=64)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,13 @@ import grpc
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from distill.config import ModelConfig
 from distill.cross_tokenizer import CrossTokenizerTeacher
-from distill.models.transformer import Transformer
 from distill.teacher import InProcessTeacher
 from distill.teacher_contract import ScoreShapes
-from distill.tokenizer import CharTokenizer
 from services.teacher.client import InvalidTeacherRequest, RemoteTeacher, TeacherServerError
 from services.teacher.server import TeacherServerConfig, serve_teacher
+from tests.support.fakes import tiny_char_teacher
 
 WAIT_S = 120
 SHAPES = ScoreShapes(rows=(1, 2, 4, 8), lengths=(16, 32), top_ks=(4, 8), candidates=(4,))
@@ -26,18 +23,8 @@ SHAPES = ScoreShapes(rows=(1, 2, 4, 8), lengths=(16, 32), top_ks=(4, 8), candida
 
 @pytest.fixture(scope="module")
 def model():
-    tokenizer = CharTokenizer()
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=32,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=64,
-        attention_type="causal",
-        init_std=0.2,
-        max_length=32,
-    )
-    return Transformer(config, rngs=nnx.Rngs(3)), tokenizer
+    teacher = tiny_char_teacher(max_length=32, seed=3)
+    return teacher.model, teacher.tokenizer
 
 
 @pytest.fixture(scope="module")
