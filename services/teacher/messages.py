@@ -8,16 +8,11 @@ arrive bit-identical to what the teacher returned.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from distill.cross_tokenizer import TextScores
 from distill.teacher_contract import ScoredSequence, TeacherInfo
 from services.proto import teacher_pb2
-
-# TeacherInfo grew `tokenizer_kind`; older copies of the contract lack it.
-_HAS_KIND = "tokenizer_kind" in {field.name for field in dataclasses.fields(TeacherInfo)}
 
 
 def info_to_proto(info: TeacherInfo) -> teacher_pb2.InfoResponse:

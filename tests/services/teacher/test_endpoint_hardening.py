@@ -6,6 +6,7 @@ Every wait is bounded (``WAIT_S``); the one latency assertion compares against a
 measured in the same test with a generous margin.
 """
 
+import contextlib
 import logging
 import os
 import queue
@@ -222,13 +223,15 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
-def test_a_60_mib_unauthenticated_request_costs_the_server_no_memory():
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+@contextlib.contextmanager
+def script_server(script: str):
+    """Run ``script`` (it prints the server's address, then serves until its stdin closes)
+    in its own process; yields ``(process, lines, address)``, ``lines`` a queue of its later
+    stdout lines. The process is stopped (stdin closed, else killed) on exit."""
     process = subprocess.Popen(
-        [sys.executable, "-c", SERVE_SCRIPT],
+        [sys.executable, "-c", script],
         cwd=ROOT,
-        env=env,
+        env=os.environ | {"JAX_PLATFORMS": "cpu"},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -236,22 +239,11 @@ def test_a_60_mib_unauthenticated_request_costs_the_server_no_memory():
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
     try:
-        address = lines.get(timeout=WAIT_S).strip()
-        with grpc.insecure_channel(address) as channel:
-            timed_scores(channel, 1)
-            before = rss_bytes(process.pid)
-            body = b"\x0a" * (60 << 20)
-            for _ in range(3):
-                with pytest.raises(grpc.RpcError) as caught:
-                    raw_call(channel, SCORE)(body, timeout=WAIT_S)
-                assert caught.value.code() in (
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    grpc.StatusCode.UNAUTHENTICATED,
-                )
-            grown = rss_bytes(process.pid) - before
-            # Stated bound: 16 MiB (the body is 60 MiB, sent three times).
-            assert grown < 16 << 20, f"server grew {grown / 2**20:.1f} MiB"
-            assert timed_scores(channel, 1)
+        try:
+            address = lines.get(timeout=WAIT_S).strip()
+        except queue.Empty:
+            pytest.fail(f"the server process printed no address within {WAIT_S} s")
+        yield process, lines, address
     finally:
         process.stdin.close()
         try:
@@ -259,6 +251,28 @@ def test_a_60_mib_unauthenticated_request_costs_the_server_no_memory():
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(WAIT_S)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_a_60_mib_unauthenticated_request_costs_the_server_no_memory():
+    with (
+        script_server(SERVE_SCRIPT) as (process, _, address),
+        grpc.insecure_channel(address) as channel,
+    ):
+        timed_scores(channel, 1)
+        before = rss_bytes(process.pid)
+        body = b"\x0a" * (60 << 20)
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as caught:
+                raw_call(channel, SCORE)(body, timeout=WAIT_S)
+            assert caught.value.code() in (
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.UNAUTHENTICATED,
+            )
+        grown = rss_bytes(process.pid) - before
+        # Stated bound: 16 MiB (the body is 60 MiB, sent three times).
+        assert grown < 16 << 20, f"server grew {grown / 2**20:.1f} MiB"
+        assert timed_scores(channel, 1)
 
 
 # ---- metrics ----------------------------------------------------------------------------------

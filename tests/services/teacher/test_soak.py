@@ -9,9 +9,6 @@ memory growth stay within stated, generous bounds. Bounded in time and count; lo
 """
 
 import os
-import queue
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +17,7 @@ import numpy as np
 import pytest
 
 from services.teacher.client import RemoteTeacher
-from tests.services.teacher.test_endpoint_hardening import rss_bytes, tiny_teacher
+from tests.services.teacher.test_endpoint_hardening import rss_bytes, script_server, tiny_teacher
 
 pytestmark = pytest.mark.slow
 
@@ -53,17 +50,6 @@ server.stop()
 
 
 def test_64_clients_for_a_minute_see_no_error_and_the_queue_stays_bounded():
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    process = subprocess.Popen(
-        [sys.executable, "-c", SERVE_SCRIPT],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
     reference = tiny_teacher()
     rng = np.random.default_rng(0)
     vocab = reference.info().vocab_size
@@ -73,8 +59,7 @@ def test_64_clients_for_a_minute_see_no_error_and_the_queue_stays_bounded():
     errors: list[BaseException] = []
     mismatches = []
     lock = threading.Lock()
-    try:
-        address = lines.get(timeout=WAIT_S).strip()
+    with script_server(SERVE_SCRIPT) as (process, lines, address):
         with RemoteTeacher(address, timeout_s=WAIT_S, budget_s=60.0) as warm:
             warm.score(workload[:1])  # compiles before the clock starts
         before = rss_bytes(process.pid)
@@ -111,13 +96,6 @@ def test_64_clients_for_a_minute_see_no_error_and_the_queue_stays_bounded():
         for thread in threads:
             thread.join(WAIT_S)
         grown = rss_bytes(process.pid) - before
-    finally:
-        process.stdin.close()
-        try:
-            process.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(WAIT_S)
     assert not errors, f"{len(errors)} errors, first: {errors[0]!r}"
     assert not mismatches
     assert latencies, "no call finished"
