@@ -1,23 +1,40 @@
 """Orbax checkpoints plus the run contract: fail-closed resume (DESIGN section 8).
 
-A run directory holds ``contract.json`` (everything that must not change across a resume:
-tokenizer hash, model configs, objective / loss / rollout / optimizer configs, data stream
-spec, stop ids, seeds, topology) and ``checkpoints/<step>/`` written by an Orbax
+A run directory holds ``contract.json`` (what must not change across a resume: tokenizer
+hash, model configs, objective / loss / rollout / optimizer configs, data stream spec, stop
+ids, seeds; plus the topology, which is only recorded) and ``checkpoints/<step>/`` written by an Orbax
 ``CheckpointManager``: the model and optimizer state (``state``), a JSON record
 (``progress``: step, data position, policy version, metrics) and a copy of the contract the
 step was written under (``contract``), so the contract travels with the weights.
 
 - Saves are atomic (Orbax writes a temporary directory and renames it) and synchronous, so a
   step counted as saved is on disk; ``max_to_keep`` bounds disk use.
-- :meth:`RunCheckpointer.open` refuses a directory whose contract differs from the given one,
-  listing every differing field with its old and new value, and a directory that holds
-  checkpoints but no ``contract.json``; nothing is loaded.
+- :meth:`RunCheckpointer.open` refuses a directory whose contract differs from the given one
+  in a must-match field, listing every such field with its old and new value, and a
+  directory that holds checkpoints but no ``contract.json``; nothing is loaded.
 - :meth:`RunCheckpointer.restore_latest` restores into fresh arrays and only then updates the
   live objects: a truncated or corrupt latest step is reported and the newest good step
   before it is used, never a half-loaded state.
 - :meth:`RunCheckpointer.restore_latest` refuses a step whose own ``contract`` differs
   from the live one (a replaced ``contract.json``), before its state is read. Steps written
   before checkpoints carried a contract are checked against ``contract.json`` only.
+
+Must match versus recorded. Every field outside ``topology`` changes what is trained (the
+models, objective, optimizer, data order, seeds, tokenizer) and must match. The topology
+(:func:`topology`: process and device counts, platform, device kind) is recorded: the same
+restored parameters and the same per-row randomness (a function of seed, step and row, never
+of the device or process count) continue the same computation on any hardware, only with
+another floating-point reduction order. A topology difference is logged as a warning and
+kept in :attr:`RunCheckpointer.recorded_changes`; each step stores the contract (topology
+included) it was written under, so the run's hardware history travels with its weights.
+Resuming is bitwise identical to an uninterrupted run only on the same topology.
+
+Multi-process worlds (``jax.distributed``): every process of the world that holds shards of
+the state opens the run and calls :meth:`RunCheckpointer.save` / ``restore_latest`` together
+(Orbax synchronizes them and each writes its own shards; the lowest process writes the JSON
+files). A program that runs on one process of a world only (host 0 of a slice) passes
+``processes={0}`` (or sets it once with :func:`set_checkpoint_processes`), so Orbax
+synchronizes that subset and never waits for the others.
 """
 
 from __future__ import annotations
@@ -25,17 +42,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 logger = logging.getLogger(__name__)
 
 CONTRACT_FILE = "contract.json"
+
+#: Contract sections that are recorded, not required: a difference is a warning. Everything
+#: else must match to resume (see the module docstring for why).
+RECORDED_SECTIONS: tuple[str, ...] = ("topology",)
 
 
 class ContractMismatch(ValueError):
@@ -47,7 +69,15 @@ class ContractMismatch(ValueError):
             f"`{field}` must equal the saved run's {saved!r} to resume; received {given!r}"
             for field, (saved, given) in sorted(self.differences.items())
         ]
-        super().__init__("run contract differs:\n" + "\n".join(lines))
+        super().__init__(
+            "run contract differs (resume with the saved run's settings, or start a new run "
+            "directory):\n" + "\n".join(lines)
+        )
+
+    def __reduce__(self):
+        # Rebuilt from its fields when pickled across processes (a Ray actor's error reaches
+        # the driver), not from the message.
+        return type(self), (self.differences,)
 
 
 class ContractMissing(ContractMismatch):
@@ -55,11 +85,15 @@ class ContractMissing(ContractMismatch):
 
     def __init__(self, directory: Path):
         self.differences = {}
+        self.directory = directory
         ValueError.__init__(
             self,
             f"`{CONTRACT_FILE}` must exist in a run directory that holds checkpoints; "
             f"received none in {directory}",
         )
+
+    def __reduce__(self):
+        return type(self), (self.directory,)
 
 
 class CheckpointError(RuntimeError):
@@ -81,6 +115,8 @@ def flatten_contract(contract: Mapping[str, Any], prefix: str = "") -> dict[str,
 def contract_differences(
     saved: Mapping[str, Any], given: Mapping[str, Any]
 ) -> dict[str, tuple[Any, Any]]:
+    """Every differing flattened field -> ``(saved, given)`` (``"<absent>"`` for a field one
+    side lacks), recorded sections included."""
     old, new = flatten_contract(saved), flatten_contract(given)
     missing = object()
     return {
@@ -88,6 +124,38 @@ def contract_differences(
         for field in sorted(old.keys() | new.keys())
         if old.get(field, missing) != new.get(field, missing)
     }
+
+
+def is_recorded_field(field: str) -> bool:
+    """Whether a flattened contract field is only recorded (see :data:`RECORDED_SECTIONS`)."""
+    return any(field == section or field.startswith(f"{section}.") for section in RECORDED_SECTIONS)
+
+
+def split_differences(
+    differences: Mapping[str, tuple[Any, Any]],
+) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
+    """``(must_match, recorded)`` parts of :func:`contract_differences`' answer."""
+    must = {field: pair for field, pair in differences.items() if not is_recorded_field(field)}
+    recorded = {field: pair for field, pair in differences.items() if is_recorded_field(field)}
+    return must, recorded
+
+
+def check_contract(
+    saved: Mapping[str, Any], given: Mapping[str, Any], where: str
+) -> dict[str, tuple[Any, Any]]:
+    """Raise :class:`ContractMismatch` listing every must-match field that differs; log and
+    return the recorded ones (``where`` names the saved side in the warning)."""
+    must, recorded = split_differences(contract_differences(saved, given))
+    if must:
+        raise ContractMismatch(must)
+    if recorded:
+        logger.warning(
+            "resuming %s on another topology (recorded, not required; not bitwise identical "
+            "to an uninterrupted run): %s",
+            where,
+            ", ".join(f"{field} {old!r} -> {new!r}" for field, (old, new) in recorded.items()),
+        )
+    return recorded
 
 
 def extend_ledger(ledger: list[list[int]], start: int, end: int) -> list[list[int]]:
@@ -116,12 +184,52 @@ def restored_ledger(restored: Restored | None, position: int, directory: Path) -
 
 
 def topology() -> dict[str, Any]:
-    """Process count, device count and platform: part of every contract."""
+    """Process count, device count, platform and device kind (``cpu``, ``TPU v6 lite``):
+    recorded in every contract, never required to match (see the module docstring)."""
+    device = jax.devices()[0]
     return {
         "process_count": jax.process_count(),
         "device_count": jax.device_count(),
-        "platform": jax.devices()[0].platform,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
     }
+
+
+_default_processes: frozenset[int] | None = None
+
+
+def set_checkpoint_processes(processes: Collection[int] | None) -> None:
+    """Process-wide default for :class:`RunCheckpointer`'s ``processes`` (None: the whole
+    world). For a process of a multi-process world whose programs run on a subset only (host
+    0 of a slice running a single-process role): set once, right after joining the world,
+    like the world itself it holds for the life of the process."""
+    global _default_processes
+    _default_processes = None if processes is None else frozenset(processes)
+
+
+def _participants(processes: Collection[int] | None) -> frozenset[int] | None:
+    """The processes that run this checkpointer (None: the whole world), validated."""
+    if processes is None:
+        processes = _default_processes
+    if processes is None:
+        return None
+    chosen = frozenset(int(process) for process in processes)
+    count, me = jax.process_count(), jax.process_index()
+    if not chosen or min(chosen) < 0 or max(chosen) >= count or me not in chosen:
+        raise ValueError(
+            f"`processes` must be process indices in [0, {count}) that include this process "
+            f"({me}); received {sorted(chosen)}"
+        )
+    return None if len(chosen) == count else chosen
+
+
+def _host_value(value: Any) -> Any:
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        raise ValueError(
+            "`processes` must be every process of the world when the state is sharded across "
+            f"processes; received an array sharded over {value.sharding}"
+        )
+    return np.asarray(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,50 +242,95 @@ class Restored:
 
 
 class RunCheckpointer:
-    """Checkpoints of one run directory bound to one contract."""
+    """Checkpoints of one run directory bound to one contract.
 
-    def __init__(self, directory: str | Path, contract: Mapping[str, Any], max_to_keep: int = 3):
+    ``processes``: the process indices of the ``jax.distributed`` world that run this
+    checkpointer together (None: :func:`set_checkpoint_processes`' default, else all of
+    them, as Orbax requires of a state sharded over the whole world); it must include the
+    calling process. The lowest one writes the JSON files. A subset checkpoints host-local
+    state only (saved as numpy by its lowest process; a sharded state raises ValueError).
+    ``recorded_changes``: the recorded (topology) fields that differ from the run's contract.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        contract: Mapping[str, Any],
+        max_to_keep: int = 3,
+        *,
+        processes: Collection[int] | None = None,
+    ):
         if max_to_keep < 1:
             raise ValueError(f"`max_to_keep` must be >= 1; received {max_to_keep}")
+        participants = _participants(processes)
+        # A subset of a multi-process world holds host-local arrays, which Orbax refuses to
+        # serialize there: they are saved as numpy by the subset's lowest process.
+        self._host_local = participants is not None
         self.directory = Path(directory).absolute()
         self.contract = json.loads(json.dumps(dict(contract)))
+        self.recorded_changes: dict[str, tuple[Any, Any]] = {}
         self._unreadable: set[int] = set()
+        checkpoints = self.directory / "checkpoints"
+        if participants is not None:
+            # Orbax creates the directory only with every process taking part.
+            checkpoints.mkdir(parents=True, exist_ok=True)
+        multiprocessing = ocp.options.MultiprocessingOptions(
+            primary_host=0 if participants is None else min(participants),
+            active_processes=None if participants is None else set(participants),
+            barrier_sync_key_prefix=None
+            if participants is None
+            else "distill-" + "-".join(map(str, sorted(participants))),
+        )
         self._manager = ocp.CheckpointManager(
-            self.directory / "checkpoints",
+            checkpoints,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True
+                max_to_keep=max_to_keep,
+                enable_async_checkpointing=False,
+                create=participants is None,
+                multiprocessing_options=multiprocessing,
             ),
             item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
-                "progress": ocp.JsonCheckpointHandler(),
-                "contract": ocp.JsonCheckpointHandler(),
+                "state": ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing),
+                "progress": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
+                "contract": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
             },
         )
 
     @classmethod
     def open(
-        cls, directory: str | Path, contract: Mapping[str, Any], max_to_keep: int = 3
+        cls,
+        directory: str | Path,
+        contract: Mapping[str, Any],
+        max_to_keep: int = 3,
+        *,
+        processes: Collection[int] | None = None,
     ) -> RunCheckpointer:
-        """Open (or start) a run; an existing run must have an identical contract, and a
-        directory that already holds checkpoints must have its ``contract.json``."""
+        """Open (or start) a run; an existing run's must-match fields must equal
+        ``contract``'s (recorded ones are logged: :attr:`recorded_changes`), and a directory
+        that already holds checkpoints must have its ``contract.json``. In a multi-process
+        world every process in ``processes`` calls it; only the lowest writes the file."""
+        participants = _participants(processes)
+        writer = jax.process_index() == (0 if participants is None else min(participants))
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         contract_path = path / CONTRACT_FILE
+        recorded: dict[str, tuple[Any, Any]] = {}
         if contract_path.exists():
             saved = json.loads(contract_path.read_text())
-            differences = contract_differences(saved, contract)
-            if differences:
-                raise ContractMismatch(differences)
+            recorded = check_contract(saved, contract, str(path))
         else:
             # Writing a fresh contract here would adopt old weights under any setup; even a
             # leftover temporary step means a run was started under some other contract.
             checkpoints = path / "checkpoints"
             if checkpoints.is_dir() and any(checkpoints.iterdir()):
                 raise ContractMissing(path.absolute())
-            temporary = contract_path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(contract, indent=2, sort_keys=True))
-            temporary.replace(contract_path)
-        return cls(path, contract, max_to_keep)
+            if writer:
+                temporary = contract_path.with_suffix(".tmp")
+                temporary.write_text(json.dumps(contract, indent=2, sort_keys=True))
+                temporary.replace(contract_path)
+        opened = cls(path, contract, max_to_keep, processes=processes)
+        opened.recorded_changes = recorded
+        return opened
 
     @property
     def steps(self) -> list[int]:
@@ -191,6 +344,8 @@ class RunCheckpointer:
             self._manager.delete(step)
             self._unreadable.discard(step)
         pure = nnx.to_pure_dict(nnx.state(state))
+        if self._host_local:
+            pure = jax.tree.map(_host_value, pure)
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -233,11 +388,14 @@ class RunCheckpointer:
                 skip(step, error)
                 continue
             # Checked before the state is read: weights of another setup are never loaded.
-            differences = {} if saved is None else contract_differences(saved, self.contract)
-            if differences:
-                raise ContractMismatch(differences)
+            if saved is not None:
+                self.recorded_changes |= check_contract(saved, self.contract, f"step {step}")
             target = nnx.state(state)
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(target))
+            live = nnx.to_pure_dict(target)
+            if self._host_local:
+                abstract = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), live)
+            else:
+                abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, live)
             try:
                 restored = self._manager.restore(
                     step,
@@ -249,7 +407,10 @@ class RunCheckpointer:
             except Exception as error:  # noqa: BLE001 - any failure means "not restorable"
                 skip(step, error)
                 continue
-            nnx.replace_by_pure_dict(target, restored.state)
+            values = restored.state
+            if self._host_local:
+                values = jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), values, live)
+            nnx.replace_by_pure_dict(target, values)
             nnx.update(state, target)
             return Restored(step, dict(restored.progress), tuple(skipped))
         if skipped:

@@ -41,6 +41,12 @@ def check_weights(field: str, weights: Any) -> None:
     zeroes :func:`invalid_weights` entries and counts them instead."""
     if isinstance(weights, jax.core.Tracer):
         return
+    if isinstance(weights, jax.Array) and not weights.is_fully_addressable:
+        # A batch sharded over a multi-process world: every process gathers it all, so all
+        # refuse together (one refusing alone would leave the others waiting in the step).
+        from jax.experimental import multihost_utils
+
+        weights = multihost_utils.process_allgather(weights, tiled=True)
     values = np.asarray(weights)
     bad = ~(np.isfinite(values) & (values >= 0))
     if bad.any():

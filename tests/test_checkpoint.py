@@ -1,6 +1,7 @@
 """Run contract and resume: refused changes, corrupt checkpoints, bitwise-identical resume."""
 
 import json
+import logging
 import shutil
 
 import jax
@@ -15,6 +16,9 @@ from distill.checkpoint import (
     ContractMismatch,
     RunCheckpointer,
     contract_differences,
+    is_recorded_field,
+    split_differences,
+    topology,
 )
 from distill.config import JobConfig, load_config
 
@@ -201,3 +205,91 @@ def test_a_checkpoint_written_before_contracts_were_stored_still_restores(tmp_pa
     for got, want in zip(params(model), params(small_model(0)), strict=True):
         np.testing.assert_array_equal(got, want)
     checkpointer.close()
+
+
+# ---- must match versus recorded: a run moves to other hardware --------------------------
+
+CPU_RUN = CONTRACT | {
+    "topology": {"process_count": 1, "device_count": 1, "platform": "cpu", "device_kind": "cpu"}
+}
+TPU_SLICE = CONTRACT | {
+    "topology": {
+        "process_count": 4,
+        "device_count": 16,
+        "platform": "tpu",
+        "device_kind": "TPU v6 lite",
+    }
+}
+
+
+def test_split_differences_records_the_topology_and_requires_everything_else():
+    must, recorded = split_differences(
+        contract_differences(CPU_RUN, TPU_SLICE | {"teacher_hash": "bbbb"})
+    )
+    assert must == {"teacher_hash": ("aaaa", "bbbb")}
+    assert recorded == {
+        "topology.device_count": (1, 16),
+        "topology.device_kind": ("cpu", "TPU v6 lite"),
+        "topology.platform": ("cpu", "tpu"),
+        "topology.process_count": (1, 4),
+    }
+    assert is_recorded_field("topology") and not is_recorded_field("topology_seed")
+
+
+def test_a_run_trained_on_cpu_resumes_on_a_tpu_slice_with_a_warning(tmp_path, caplog):
+    write_run(tmp_path, CPU_RUN, step=2)
+    with caplog.at_level(logging.WARNING, logger="distill.checkpoint"):
+        checkpointer = RunCheckpointer.open(tmp_path, TPU_SLICE)
+        model = small_model(1)
+        assert checkpointer.restore_latest(model).step == 2
+    for got, want in zip(params(model), params(small_model(0)), strict=True):
+        np.testing.assert_array_equal(got, want)  # the same parameters on the new hardware
+    assert checkpointer.recorded_changes["topology.platform"] == ("cpu", "tpu")
+    assert "topology.process_count 1 -> 4" in caplog.text
+    checkpointer.save(3, model, {"data_position": 3})
+    checkpointer.close()
+    # The run's contract.json keeps where it started; each step records where it was written.
+    assert json.loads((tmp_path / CONTRACT_FILE).read_text()) == CPU_RUN
+    step = json.loads((tmp_path / "checkpoints" / "3" / "contract" / "metadata").read_text())
+    assert step["topology"] == TPU_SLICE["topology"]
+
+
+def test_a_run_from_an_older_topology_record_resumes(tmp_path):
+    older = CONTRACT | {"topology": {"process_count": 1, "device_count": 1, "platform": "cpu"}}
+    write_run(tmp_path, older, step=1)
+    checkpointer = RunCheckpointer.open(tmp_path, CPU_RUN)
+    assert checkpointer.restore_latest(small_model(1)).step == 1
+    assert checkpointer.recorded_changes == {"topology.device_kind": ("<absent>", "cpu")}
+    checkpointer.close()
+
+
+def test_a_changed_setup_is_refused_on_any_topology_naming_only_what_must_match(tmp_path):
+    write_run(tmp_path, CPU_RUN)
+    with pytest.raises(ContractMismatch) as refused:
+        RunCheckpointer.open(
+            tmp_path, TPU_SLICE | {"rollout": {"block_size": 8, "temperature": 1.0}}
+        )
+    assert set(refused.value.differences) == {"rollout.block_size"}
+    (tmp_path / CONTRACT_FILE).write_text(json.dumps(TPU_SLICE | {"teacher_hash": "bbbb"}))
+    checkpointer = RunCheckpointer.open(tmp_path, TPU_SLICE | {"teacher_hash": "bbbb"})
+    with pytest.raises(ContractMismatch) as refused:  # the step's own contract still decides
+        checkpointer.restore_latest(small_model(1))
+    assert set(refused.value.differences) == {"teacher_hash"}
+    checkpointer.close()
+
+
+def test_checkpoint_processes_must_include_the_calling_process(tmp_path):
+    with pytest.raises(ValueError, match=r"^`processes` must be process indices in \[0, 1\)"):
+        RunCheckpointer.open(tmp_path, CONTRACT, processes={1})
+    with pytest.raises(ValueError, match="`processes` must"):
+        RunCheckpointer.open(tmp_path, CONTRACT, processes=set())
+
+
+def test_the_topology_names_process_and_device_counts_platform_and_kind():
+    recorded = topology()
+    assert recorded == {
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind,
+    }

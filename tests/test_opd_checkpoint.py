@@ -131,13 +131,14 @@ def test_a_different_teacher_or_starting_student_is_refused(uninterrupted, tmp_p
         opd.run_opd(job, moved, teacher, tokenizer, run_dir=run, **SILENT)
 
 
-def test_a_different_topology_is_refused(uninterrupted, monkeypatch):
+def test_a_different_topology_is_recorded_not_refused(uninterrupted, monkeypatch):
     job, _, teacher, run, *_ = uninterrupted
     _, student = models(job)
     real = checkpoint.topology()
     monkeypatch.setattr(checkpoint, "topology", lambda: real | {"device_count": 8})
-    with pytest.raises(ContractMismatch, match="`topology.device_count`"):
-        RunCheckpointer.open(run, contract(job, teacher, student))
+    opened = RunCheckpointer.open(run, contract(job, teacher, student))
+    assert opened.recorded_changes == {"topology.device_count": (real["device_count"], 8)}
+    opened.close()
 
 
 def test_a_corrupt_latest_opd_checkpoint_falls_back_and_retrains_the_same_steps(

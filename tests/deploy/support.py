@@ -82,6 +82,18 @@ def parse_pod_type(accelerator_type: str) -> tuple[str, int, int, int]:
     return generation, chips, per_host, max(chips // per_host, 1)
 
 
+def slice_demand(cluster: Any) -> dict[tuple[str, str], int]:
+    """Whole slices a job's ``cluster:`` asks for, by ``(pod-type generation, topology)``
+    (``("v6e", "2x2")``): ``count`` per role with ``slice`` (one per teacher replica, rollout
+    worker group, learner)."""
+    demand: dict[tuple[str, str], int] = {}
+    for role in (cluster.teacher, cluster.rollout, cluster.learner):
+        if role.slice is not None:
+            shape = (role.slice.generation, role.slice.topology)
+            demand[shape] = demand.get(shape, 0) + role.count
+    return demand
+
+
 def repo_paths(text: str) -> set[str]:
     """Repository-relative paths (``deploy/...``, ``docs/...``, ``tests/...``) a text names."""
     found = re.findall(r"(?<![\w/.~-])((?:deploy|docs|tests)/[\w./-]*[\w])", text)

@@ -26,12 +26,14 @@ from services.common.config import JobSpec
 from tests.deploy.support import (
     ROOT,
     RUNTIME_VERSIONS,
+    chips_per_host,
     distill_run_commands,
     hosts,
     parse_pod_type,
     parse_run,
     pod_type,
     repo_paths,
+    slice_demand,
 )
 
 CLUSTER = ROOT / "deploy" / "tpu" / "cluster.yaml"
@@ -232,24 +234,21 @@ def test_pod_type_naming_trap(generation, topology, name, chips, n_hosts):
     assert chips // ray_tpu.get_chips_per_host(topology, generation) == n_hosts
 
 
-def test_the_job_fits_the_single_host_tpu_nodes():
-    """agree-tpu.yaml's roles each take one whole host of a single-host node type, and
-    the node type starts enough hosts for all of them."""
+def test_the_jobs_slices_fit_the_tpu_node_types():
+    """Each slice agree-tpu.yaml asks for (cluster.<role>.slice) is one node of the node type
+    of that pod type (the launcher's TPU node is a whole slice), its chips per host equal the
+    node's TPU resource, and the node type starts enough slices for the whole job."""
     config = _config()
     cluster = load_config(ROOT / "deploy/jobs/agree-tpu.yaml", JobSpec).cluster
-    single_host = {
-        name: node
-        for name, node in _tpu_node_types(config).items()
-        if parse_pod_type(node["node_config"]["acceleratorType"])[3] == 1
+    by_pod_type = {
+        node["node_config"]["acceleratorType"]: node for node in _tpu_node_types(config).values()
     }
-    roles = (cluster.teacher, cluster.rollout, cluster.learner)
-    for role in roles:
-        assert any(
-            role.resources["TPU"] == node["resources"]["TPU"] for node in single_host.values()
-        )
-    assert sum(role.count for role in roles) <= sum(
-        node["min_workers"] for node in single_host.values()
-    )
+    demand = slice_demand(cluster)
+    assert demand
+    for (generation, topology), count in demand.items():
+        node = by_pod_type[pod_type(generation, topology)]
+        assert node["resources"]["TPU"] == chips_per_host(generation, topology)
+        assert count <= node["min_workers"] <= node["max_workers"]
 
 
 def _commands(key: str) -> str:

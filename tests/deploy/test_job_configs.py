@@ -9,7 +9,13 @@ import yaml
 
 from distill.config import ConfigError, load_config
 from services.common.config import JobSpec, is_loopback
-from tests.deploy.support import ROOT, distill_run_commands, parse_run, repo_paths
+from tests.deploy.support import (
+    ROOT,
+    distill_run_commands,
+    parse_run,
+    repo_paths,
+    slice_demand,
+)
 
 JOBS = sorted((ROOT / "deploy" / "jobs").glob("*.yaml"))
 
@@ -51,13 +57,16 @@ def test_agree_cpu_places_two_teachers_four_rollout_workers_and_a_learner_on_cpu
         assert role.cpu_threads == 1
 
 
-def test_agree_tpu_gives_every_role_whole_tpu_hosts():
+def test_agree_tpu_puts_every_role_on_its_own_single_host_slice():
     cluster = load_config(ROOT / "deploy/jobs/agree-tpu.yaml", JobSpec).cluster
     assert (cluster.teacher.count, cluster.rollout.count, cluster.learner.count) == (2, 4, 1)
     for role in (cluster.teacher, cluster.rollout, cluster.learner):
-        # All 4 chips of a single-host v6e-4 slice: one JAX process owns the host.
-        assert role.resources == {"TPU": 4}
-        assert role.num_gpus == 0
+        # A whole v6e 2x2 slice (pod type v6e-4): one host, one JAX process owning 4 chips,
+        # reserved by its head resource; the placement asks for the chips itself.
+        assert role.slice is not None and role.slice.pod_type == "v6e-4"
+        assert (role.slice.hosts, role.slice.chips_per_host) == (1, 4)
+        assert not role.resources and role.num_gpus == 0 and not role.max_restarts
+    assert slice_demand(cluster) == {("v6e", "2x2"): 7}
     assert cluster.host == "0.0.0.0"
     assert cluster.token_file == "/etc/distill/token"
 

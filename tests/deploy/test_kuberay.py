@@ -28,6 +28,7 @@ from tests.deploy.support import (
     hosts,
     parse_run,
     repo_paths,
+    slice_demand,
 )
 
 KUBERAY = ROOT / "deploy" / "kuberay"
@@ -436,19 +437,25 @@ def _check_job_fits(cluster, spec: dict, run_dir: str) -> None:
                 assert token_dir in mounts, f"{name}: no {token_dir} for the token"
                 token_volume = next(v for v in pod["volumes"] if v["name"] == mounts[token_dir])
                 assert "secret" in token_volume
-    # Roles asking for TPUs take whole hosts of single-host groups, which have room for all.
-    single_host_tpu = [
-        group for _, group in groups[1:] if _tpu_chips(group) and group.get("numOfHosts", 1) == 1
-    ]
+    # Roles on slices: one replica of a worker group with that GKE accelerator and topology
+    # is one whole slice (numOfHosts pods), and the group has replicas for every slice asked.
     roles = (cluster.teacher, cluster.rollout, cluster.learner)
-    tpu_roles = [role for role in roles if "TPU" in role.resources]
+    tpu_roles = [role for role in roles if role.slice is not None]
     for role in roles:
-        assert set(role.resources) <= {"TPU"}, role.resources
-    for role in tpu_roles:
-        assert any(role.resources["TPU"] == _tpu_chips(group) for group in single_host_tpu)
-    assert sum(role.count for role in tpu_roles) <= sum(
-        group["replicas"] for group in single_host_tpu
-    )
+        assert not role.resources, f"TPU roles ask for slices, not resources: {role.resources}"
+    for (generation, topology), count in slice_demand(cluster).items():
+        selectors = [
+            (group, group["template"]["spec"].get("nodeSelector", {})) for _, group in groups[1:]
+        ]
+        matching = [
+            group
+            for group, selector in selectors
+            if GKE_ACCELERATORS.get(selector.get(ACCELERATOR)) == generation
+            and selector.get(TOPOLOGY) == topology
+        ]
+        assert matching, f"no worker group has {generation} {topology} slices"
+        assert all(group.get("numOfHosts", 1) == hosts(generation, topology) for group in matching)
+        assert count <= sum(group["replicas"] for group in matching)
     if not tpu_roles:  # CPU: the logical CPUs of the workers hold every actor.
         workers = sum(
             float(group["rayStartParams"]["num-cpus"]) * group["replicas"]
