@@ -37,6 +37,10 @@ class StatusError(Exception):
         self.code = code
         self.reason = reason
 
+    def __reduce__(self):
+        # Pickled across processes with its code, not only its message.
+        return type(self), (self.code, self.reason)
+
 
 class Unavailable(RuntimeError):
     """The service cannot take the call now (its queue is full, it is stopping); the same

@@ -5,7 +5,8 @@ in-process OPD run with the length-normalized return-to-go advantage (``mean_to_
 default) reaches >= 95% exact match; per-token advantages do not (the first letter is
 rewarded for staying uniform, the cost lands on later letters), and the summed return-to-go
 collapses onto an immediate stop token here (fewer negative log-ratios to sum). Job:
-deploy/configs/agree.yaml, seed 0.
+deploy/configs/agree.yaml, seed 0, with the rollouts pinned to one forward (threshold 0; the
+job's default rolls out adaptively at 0.9).
 """
 
 import jax
@@ -21,7 +22,9 @@ STEPS = 60
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
-    job = load_config("deploy/configs/agree.yaml", JobConfig, [f"opd.steps={STEPS}"])
+    job = load_config(
+        "deploy/configs/agree.yaml", JobConfig, [f"opd.steps={STEPS}", "rollout.threshold=0.0"]
+    )
     run = tmp_path_factory.mktemp("agree")
     silent = dict(progress=False, log=lambda _: None)
     teacher, _ = pipeline.train_teacher(job, run / "teacher", **silent)
