@@ -184,11 +184,21 @@ class LearnerActor:
         self._condition = threading.Condition()
         self._metrics: dict[str, Any] = {}
         self._log: list[str] = []
+        self._hold_version: int | None = None
+        self._holding = threading.Event()
 
     def _publish(self, version: int, weights: dict[str, Any]) -> None:
+        """Make ``version`` fetchable: its weights go to the object store first, and only
+        then is the reference handed out (:meth:`weights`), so a worker sees a version whole
+        or not at all; a learner that dies between the two publishes nothing."""
         import ray
 
         reference = ray.put(weights)
+        if version == self._hold_version:
+            # Fault injection (hold_publication): stop here, in the middle of publishing,
+            # until the test kills this process (bounded, then publishing goes on).
+            self._holding.set()
+            time.sleep(self.job.cluster.step_timeout_s)
         keep = version - self.job.loss.max_staleness - 1
         with self._condition:
             self._published[version] = reference
@@ -288,6 +298,26 @@ class LearnerActor:
                 self._condition.wait(remaining)
             return [self._published[version]]
 
+    def hold_publication(self, version: int) -> None:
+        """Fault injection for tests: the publication of ``version`` stops half-way (its
+        weights in the object store, not yet handed out) for up to ``step_timeout_s``, so a
+        test can kill the learner at exactly that point (:meth:`publication_held` tells when
+        it is there)."""
+        self._hold_version = version
+
+    def publication_held(self) -> bool:
+        """Whether the publication held by :meth:`hold_publication` has reached the hold."""
+        return self._holding.is_set()
+
+    def release_worker(self, worker_id: str) -> int:
+        """Hand out again at once the shards rollout worker ``worker_id`` holds (the driver
+        saw it gone for good); returns how many."""
+        if self.runtime is None:
+            return 0
+        released = self.runtime.scheduler.release(worker_id)
+        self._log.append(f"{worker_id} is gone: {released} shard(s) it held handed out again")
+        return released
+
     def run(self) -> dict[str, Any]:
         """Train to the end; returns this call's metrics, the evaluations and the status."""
         history = self.runtime.run()
@@ -342,6 +372,7 @@ class RolloutWorkerActor:
             fetch_weights=self._fetch,
             token=_token(self.job),
             call_timeout_s=self.job.cluster.step_timeout_s,
+            retry_policy=self.job.cluster.learner_retry,
         )
         try:
             return worker.run(self.stop_event)
@@ -350,6 +381,12 @@ class RolloutWorkerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (which slice a preemption takes)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -230,7 +230,10 @@ class ClusterConfig(ConfigModel):
     in ``token_file``). ``start_timeout_s``: how long placing and starting the actors may
     take; ``step_timeout_s``: how long one step may wait for its rollouts;
     ``teacher_timeout_s`` and ``teacher_retry``: each teacher call's deadline and retries
-    (within a time budget that covers a replica's restart).
+    (within a time budget that covers a replica's restart). ``learner_retry``: how each
+    rollout worker retries its calls to the learner (``AcquireWork``, ``PushTraces``) while
+    the learner is briefly unreachable; a push the learner already took is refused, not
+    counted twice, when retried.
     ``watchdog_s``: the job fails when no training step completes for this long, naming the
     stage that stalled (``rollout``, ``teacher`` or ``learner``); ``None`` turns it off.
     ``record_traces``: the learner keeps every trained rollout in ``RUN/opd/traces/``.
@@ -250,6 +253,7 @@ class ClusterConfig(ConfigModel):
     step_timeout_s: float = Field(default=600.0, gt=0)
     teacher_timeout_s: float = Field(default=120.0, gt=0)
     teacher_retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    learner_retry: RetryPolicy = Field(default_factory=RetryPolicy)
     watchdog_s: float | None = Field(default=1800.0, gt=0)
     record_traces: bool = False
 

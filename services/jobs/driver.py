@@ -10,7 +10,10 @@
 5. train to the end while showing progress, watching every actor: Ray restarts a teacher
    replica or rollout worker whose process died (``cluster.<role>.max_restarts``; the
    replica serves again on its address, the worker's lost shard is handed out again); an
-   actor gone for good, or the learner, ends the job with an error naming it; a step that
+   actor gone for good, or the learner, ends the job with an error naming it -- except a
+   rollout worker (or a rollout slice's host) whose actor died for good while others remain
+   (its node or slice was preempted): the job goes on with the survivors, the learner hands
+   the lost worker's shard out again at once, and the result names what was lost; a step that
    waits longer than ``cluster.step_timeout_s`` for its rollouts fails naming the missing
    rows; and when no step completes for ``cluster.watchdog_s`` the job fails naming the
    stage that stalled (rollout, teacher or learner) instead of hanging.
@@ -26,6 +29,7 @@ newest checkpoint and regenerates the rollouts that were in flight.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -101,7 +105,8 @@ class Watchdog:
 @dataclasses.dataclass(frozen=True)
 class JobResult:
     """What a finished job reports: per-step metrics of this run, the OPD evaluations
-    (including earlier runs'), the learner's final status and the actors placed."""
+    (including earlier runs'), the learner's final status, the actors placed and the rollout
+    workers lost on the way (``"rollout worker 1: <why>"``; the job went on without them)."""
 
     run_dir: Path
     history: list[dict[str, float]]
@@ -109,6 +114,7 @@ class JobResult:
     status: dict[str, Any]
     actors: dict[str, int]
     teacher_addresses: list[str]
+    lost: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -362,7 +368,21 @@ def run_job(
         for index, group in enumerate(groups):
             runs |= _holds(group, f"rollout worker {index}")
         watchdog = Watchdog(cluster.watchdog_s, started["step"])
-        result = _supervise(learner, runs, job.opd.steps, started["step"], progress, log, watchdog)
+        rollout = {
+            f"rollout worker {index}": (f"rollout-{index}", group)
+            for index, group in enumerate(groups)
+        }
+        result = _supervise(
+            learner,
+            runs,
+            job.opd.steps,
+            started["step"],
+            progress,
+            log,
+            watchdog,
+            rollout=rollout,
+            run_dir=run_dir,
+        )
         return JobResult(
             run_dir=run_dir,
             history=result["history"],
@@ -374,6 +394,7 @@ def run_job(
                 "learner": 1,
             },
             teacher_addresses=addresses,
+            lost=tuple(result["lost"]),
         )
     finally:
         for actor in placed:
@@ -413,7 +434,36 @@ def _check_teachers(job: JobSpec, plan: JobPlan, addresses: list[str]) -> None:
             client.close()
 
 
-def _raise_if_learner_failed(run, wait_s: float = 5.0) -> None:
+def _newest_checkpoint(run_dir: Path | None) -> int | None:
+    """The step of the newest finished OPD checkpoint in ``run_dir`` (None: none yet)."""
+    if run_dir is None:
+        return None
+    checkpoints = run_dir / "opd" / "checkpoints"
+    steps = (
+        [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
+        if checkpoints.is_dir()
+        else []
+    )
+    return max(steps, default=None)
+
+
+def _learner_failed(error: BaseException, run_dir: Path | None) -> JobFailed:
+    """The job's error for a failed learner: why, and how the job resumes (the learner is
+    not restarted in place: it holds the run's state, and its workers' and teacher's
+    connections; a rerun restores it from its newest checkpoint)."""
+    step = _newest_checkpoint(run_dir)
+    resume = (
+        f"from its newest checkpoint (step {step})"
+        if step is not None
+        else "from the start of OPD (no checkpoint yet)"
+    )
+    return JobFailed(
+        f"the learner failed: {_reason(error)} (the learner is not restarted in place; rerun "
+        f"the same command with the same run directory to resume {resume})"
+    )
+
+
+def _raise_if_learner_failed(run, wait_s: float = 5.0, run_dir: Path | None = None) -> None:
     """Raise :class:`JobFailed` naming the learner if its ``run`` failed (within
     ``wait_s``: Ray reports a dead process a moment after its peers notice)."""
     import ray
@@ -423,21 +473,44 @@ def _raise_if_learner_failed(run, wait_s: float = 5.0) -> None:
         try:
             ray.get(run)
         except Exception as error:
-            raise JobFailed(f"the learner failed: {_reason(error)}") from error
+            raise _learner_failed(error, run_dir) from error
+
+
+def _rollout_owner(name: str, rollout: dict[str, Any]) -> str | None:
+    """Which rollout worker a watched call ``name`` belongs to (its run, or one of its
+    slice's hosts), if any."""
+    for owner in rollout:
+        if name == owner or name.startswith(f"{owner} host "):
+            return owner
+    return None
 
 
 def _supervise(
-    learner, runs: dict, steps: int, start: int, progress: bool, log: Log, watchdog: Watchdog
+    learner,
+    runs: dict,
+    steps: int,
+    start: int,
+    progress: bool,
+    log: Log,
+    watchdog: Watchdog,
+    *,
+    rollout: dict[str, tuple[str, PlacedActor]] | None = None,
+    run_dir: Path | None = None,
 ) -> dict:
     """Wait for the learner's run while watching the other actors' long calls (``runs``:
     reference -> name; one that fails ends the job naming it) and the ``watchdog``; show
-    progress."""
+    progress. ``rollout``: ``{"rollout worker i": (worker id, placed)}``; a rollout worker
+    whose actor died for good (its node or slice was preempted) is dropped instead, and its
+    shards handed out again at once, while another one remains. The result's ``lost`` lists
+    what was dropped and why."""
     import ray
     import tqdm
 
+    rollout = dict(rollout or {})
     run = learner.run.remote()
     bar = tqdm.tqdm(total=steps, initial=start, desc="opd", unit="step", disable=not progress)
     pending = dict(runs)
+    lost: list[str] = []
     printed = 0
     try:
         while True:
@@ -446,19 +519,34 @@ def _supervise(
                 try:
                     result = ray.get(run)
                 except Exception as error:
-                    raise JobFailed(f"the learner failed: {_reason(error)}") from error
+                    raise _learner_failed(error, run_dir) from error
                 bar.update(steps - bar.n)
                 for line in result["log"][printed:]:
                     log(line)
-                return result
+                return {**result, "lost": lost}
             for reference in ready:
+                if reference not in pending:  # dropped with its rollout worker meanwhile
+                    continue
                 name = pending.pop(reference)
                 try:
                     ray.get(reference)
                 except Exception as error:
                     # A dead learner fails its workers' calls too: name the cause.
-                    _raise_if_learner_failed(run)
-                    raise JobFailed(f"{name} failed: {_reason(error)}") from error
+                    _raise_if_learner_failed(run, run_dir=run_dir)
+                    owner = _rollout_owner(name, rollout)
+                    if owner is None or not isinstance(error, ray.exceptions.RayActorError):
+                        raise JobFailed(f"{name} failed: {_reason(error)}") from error
+                    lost.append(f"{name}: {_reason(error)}")
+                    _drop_rollout_worker(learner, owner, rollout, pending)
+                    if not rollout:
+                        raise JobFailed(
+                            "every rollout worker is gone: " + "; ".join(lost)
+                        ) from error
+                    log(
+                        f"== {name} is gone ({_reason(error)}); going on with "
+                        f"{len(rollout)} rollout worker(s)"
+                    )
+                    continue
                 if " host " in name:
                     raise JobFailed(f"{name} left its TPU slice's world while the job ran")
                 if name.startswith("teacher replica"):
@@ -481,3 +569,22 @@ def _supervise(
             time.sleep(0.2)
     finally:
         bar.close()
+
+
+def _drop_rollout_worker(
+    learner, owner: str, rollout: dict[str, tuple[str, PlacedActor]], pending: dict
+) -> None:
+    """Stop watching rollout worker ``owner`` (its run and its slice's hosts), release what
+    is left of it (a slice's world does not survive losing a host), and have the learner
+    hand out its shards again now rather than after ``reassign_after_s``."""
+    import ray
+
+    worker_id, placed = rollout.pop(owner)
+    for reference, name in list(pending.items()):
+        if _rollout_owner(name, {owner: None}) is not None:
+            del pending[reference]
+    with contextlib.suppress(Exception):  # gone with its node already: nothing to free
+        placed.release()
+    # A busy or dying learner still hands the shard out after reassign_after_s.
+    with contextlib.suppress(ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        ray.get(learner.release_worker.remote(worker_id), timeout=30)

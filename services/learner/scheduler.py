@@ -17,7 +17,8 @@ back to the queue (its worker may have died); if the first worker delivers after
 second delivery is refused, so every row trains exactly once. A worker works on one shard at
 a time, so one that asks for work while still holding a shard has lost it (it was restarted
 after a crash): that shard goes back to the queue at once, without waiting for
-``reassign_after_s``.
+``reassign_after_s``. A worker known to be gone for good (its slice was preempted) has its
+shards handed out again at once through :meth:`WorkScheduler.release`.
 """
 
 from __future__ import annotations
@@ -179,6 +180,18 @@ class WorkScheduler:
                 self._assigned.pop(shard, None)
                 self._queue.append(shard)
                 self.counts.released_shards += 1
+
+    def release(self, worker_id: str) -> int:
+        """Hand out again at once every shard ``worker_id`` holds (the worker is gone for
+        good, e.g. its node was removed); returns how many. A late delivery of one of them
+        is refused like any work that is not outstanding."""
+        if not worker_id:
+            raise ValueError(f"`worker_id` must be a non-empty worker id; received {worker_id!r}")
+        with self._condition:
+            before = self.counts.released_shards
+            self._release(worker_id)
+            self._condition.notify_all()
+            return self.counts.released_shards - before
 
     def _work(self, shard: Shard, worker_id: str = "") -> Assignment:
         self._assigned[shard] = self._clock()

@@ -6,6 +6,13 @@ holds another (``fetch_weights(version)``; the Ray actor reads them from the obj
 roll out the shard's prompts with the per-row RNG (each row a pure function of parameters,
 seed, step and row id, so a regenerated row is identical) -> cut each completion at its first
 stop token -> ``PushTraces``. It ends when the learner answers DONE or ``stop`` is set.
+
+Both calls retry a learner that is briefly unreachable (``retry_policy``; e.g. restarting)
+instead of ending the worker: repeating them is safe. A repeated ``AcquireWork`` whose
+first answer was lost hands out again what the first assigned (the worker id is the same);
+a repeated ``PushTraces`` of rows the learner already took is refused by its scheduler (the
+shard is no longer outstanding), so no row is counted or trained twice and a finished
+rollout is not lost while the learner is away.
 The worker imports JAX; its callers (the Ray actor) import this module inside methods.
 """
 
@@ -16,7 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 from flax import nnx
 
 from distill.config import JobConfig
@@ -28,8 +34,9 @@ from distill.models.transformer import Transformer
 from distill.opd.learner import load_weights
 from distill.opd.records import RolloutBatch
 from services.common.auth import bearer_metadata
-from services.common.channel import open_channel
-from services.proto import learner_pb2, learner_pb2_grpc
+from services.common.channel import CallFailure, call_with_retry, open_channel
+from services.common.config import RetryPolicy
+from services.proto import learner_pb2, learner_pb2_grpc, rollout_pb2
 from services.rollout.messages import rows_to_proto
 
 FetchWeights = Callable[[int], dict[str, Any]]
@@ -41,7 +48,10 @@ class LearnerCallError(RuntimeError):
 
 class RolloutWorker:
     """Rolls out the shards the learner at ``learner_address`` hands out (module docstring).
-    ``call_timeout_s`` bounds every call to the learner."""
+    ``call_timeout_s`` bounds every call attempt to the learner; ``retry_policy`` says how
+    long a failing call keeps retrying (:func:`~services.common.channel.call_with_retry`);
+    past it the worker fails with :class:`LearnerCallError` naming the call, the address,
+    the attempts and the seconds."""
 
     def __init__(
         self,
@@ -52,6 +62,7 @@ class RolloutWorker:
         fetch_weights: FetchWeights,
         token: str | None = None,
         call_timeout_s: float = 120.0,
+        retry_policy: RetryPolicy | None = None,
         max_message_bytes: int = 64 << 20,
     ):
         self.plan = JobPlan.from_job(job)
@@ -59,6 +70,8 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.fetch_weights = fetch_weights
         self.call_timeout_s = call_timeout_s
+        self.retry_policy = RetryPolicy() if retry_policy is None else retry_policy
+        self.learner_address = learner_address
         self.student = Transformer(job.student, rngs=nnx.Rngs(0))
         self.version: int | None = None
         self.stream = TaskStream(job.data)
@@ -68,13 +81,31 @@ class RolloutWorker:
         self.rows_pushed = 0
         self.rollout_seconds = 0.0
 
-    def _call(self, method, request):
-        try:
-            return method(request, timeout=self.call_timeout_s, metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise LearnerCallError(
-                f"learner call failed: {error.code().name}: {error.details()}"
-            ) from None
+    def _call(self, name: str, method, request):
+        def describe(failure: CallFailure) -> LearnerCallError:
+            spent = (
+                f", retry budget spent (budget_s={self.retry_policy.budget_s:g})"
+                if failure.transient
+                else ""
+            )
+            return LearnerCallError(
+                f"learner call {name} to {self.learner_address} failed: {failure.code.name}: "
+                f"{failure.details} [{failure.attempts} attempts in {failure.elapsed_s:.1f} s"
+                f"{spent}]"
+            )
+
+        return call_with_retry(
+            method,
+            request,
+            timeout_s=self.call_timeout_s,
+            metadata=self._metadata,
+            policy=self.retry_policy,
+            describe=describe,
+        )
+
+    def _push(self, messages: list, **call):
+        # A fresh iterator per attempt: a retried push sends every row again.
+        return self._stub.PushTraces(iter(messages), **call)
 
     def prompts(self, step: int, row_start: int, row_count: int) -> list[list[int]]:
         """The encoded prompts of rows ``[row_start, row_start + row_count)`` of ``step``."""
@@ -86,6 +117,10 @@ class RolloutWorker:
 
     def roll_out(self, work: learner_pb2.WorkAssignment) -> learner_pb2.PushSummary:
         """Generate one assigned shard and push it; returns the learner's answer."""
+        return self.push(self.trace_rows(work))
+
+    def trace_rows(self, work: learner_pb2.WorkAssignment) -> list[rollout_pb2.TraceRow]:
+        """The trace rows of one assigned shard, generated with its policy version."""
         if self.version != work.policy_version:
             load_weights(self.student, self.fetch_weights(work.policy_version))
             self.version = work.policy_version
@@ -109,20 +144,34 @@ class RolloutWorker:
         self.rollout_seconds += time.perf_counter() - started
         completions = trace.completions()
         texts = [completion_text(self.plan.tokenizer, ids) for ids in completions]
-        messages = rows_to_proto(
-            batch, seed=work.seed, worker_id=self.worker_id, completions=completions, texts=texts
+        return list(
+            rows_to_proto(
+                batch,
+                seed=work.seed,
+                worker_id=self.worker_id,
+                completions=completions,
+                texts=texts,
+            )
         )
-        summary = self._call(self._stub.PushTraces, iter(messages))
+
+    def acquire(self) -> learner_pb2.WorkAssignment:
+        """``AcquireWork`` for this worker (retried while the learner is unreachable)."""
+        request = learner_pb2.WorkRequest(worker_id=self.worker_id)
+        return self._call("AcquireWork", self._stub.AcquireWork, request)
+
+    def push(self, messages: list[rollout_pb2.TraceRow]) -> learner_pb2.PushSummary:
+        """``PushTraces`` of ``messages``, retried while the learner is unreachable (module
+        docstring); returns the learner's answer (rows accepted, dropped as stale, refused)."""
+        summary = self._call("PushTraces", self._push, list(messages))
         self.rows_pushed += summary.accepted
         return summary
 
     def run(self, stop: threading.Event | None = None) -> dict[str, float]:
         """Work until the learner answers DONE (or ``stop`` is set); returns counters."""
         stop = stop or threading.Event()
-        request = learner_pb2.WorkRequest(worker_id=self.worker_id)
         shards = 0
         while not stop.is_set():
-            work = self._call(self._stub.AcquireWork, request)
+            work = self.acquire()
             if work.kind == learner_pb2.WorkAssignment.DONE:
                 break
             if work.kind == learner_pb2.WorkAssignment.WAIT:
