@@ -500,6 +500,10 @@ def _serve_teacher(args: argparse.Namespace) -> None:
         metrics_address=args.metrics_address,
         metrics_public=args.metrics_public,
     )
+    from distill.cache import enable_compile_cache
+
+    # Before anything compiles: a restarted server reads its warm-up from disk.
+    compile_cache = enable_compile_cache(args.compile_cache)
     teacher = _served_teacher(args)
     _, why = _score_shapes(args, teacher.model.config.max_length)
     if teacher.shapes is None and args.warm_shared_prompts:
@@ -522,7 +526,8 @@ def _serve_teacher(args: argparse.Namespace) -> None:
             shared = " and shared prompts" if args.warm_shared_prompts else ""
             warm = (
                 f"warm-up compiled {compiled} shapes{shared} in {seconds:.1f} s "
-                f"({_describe_shapes(teacher.shapes)})"
+                f"({_describe_shapes(teacher.shapes)}); compile cache "
+                f"{compile_cache if compile_cache is not None else 'off'}"
             )
         print(
             f"teacher: vocab {info.vocab_size}, max_length {info.max_length}, model_hash "
@@ -699,6 +704,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="longest sequence served (--hf-checkpoint / --gguf; default: the model's)",
+    )
+    teacher.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="JAX's persistent compilation cache, so a restart skips compiling (default: "
+        "$DISTILL_COMPILE_CACHE, else ~/.cache/distill/jax under $DISTILL_CACHE; off: none)",
     )
     teacher.add_argument(
         "--warm-shared-prompts",

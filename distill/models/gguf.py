@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 import tokenizers
 
+from distill.cache import cache_dir
 from distill.config import ModelConfig
 from distill.conversation import CHATML, ChatFormat
 from distill.models import hf
@@ -143,12 +144,6 @@ SMOLLM2 = GGUFSource(
 )
 #: Names accepted by :func:`resolve_gguf` (``--gguf smollm2``).
 SOURCES: Mapping[str, GGUFSource] = types.MappingProxyType({"smollm2": SMOLLM2})
-
-
-def cache_dir() -> Path:
-    """``$DISTILL_CACHE`` if set, else ``~/.cache/distill``."""
-    configured = os.environ.get("DISTILL_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "distill"
 
 
 def _sha256_file(path: Path) -> str:

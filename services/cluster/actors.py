@@ -93,6 +93,11 @@ class TeacherReplica:
     ):
         self.job = _job(job)
         _configure_cpu_threads(self.job.cluster.teacher.cpu_threads)
+        from distill.cache import enable_compile_cache
+
+        # A replica Ray restarts reads its compiled programs back instead of compiling them
+        # again, which keeps the restart inside the clients' retry budget.
+        enable_compile_cache()
         self.teacher_run = teacher_run
         self.replica = replica
         self.address_file = address_file

@@ -220,7 +220,7 @@ def test_serve_teacher_refuses_bad_max_length_and_metrics_flags(llama, capsys):
     assert "`--max-length` must come with --hf-checkpoint or --gguf" in capsys.readouterr().err
 
 
-def test_serve_teacher_warms_up_its_shapes_prints_them_and_serves_metrics(llama, capsys):
+def test_serve_teacher_warms_up_its_shapes_prints_them_and_serves_metrics(llama, capsys, tmp_path):
     # 16 ids, batches of at most 2: ScoreShapes.default(16, 2), 2 rows x 1 length x (forward
     # + 2 top-k + 2 candidate heads) = 10 shapes.
     env = os.environ | {"JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "float32"}
@@ -228,6 +228,7 @@ def test_serve_teacher_warms_up_its_shapes_prints_them_and_serves_metrics(llama,
     command = [sys.executable, "-m", "services.cli", "serve", "teacher"]
     command += ["--hf-checkpoint", str(llama), "--max-length", "16"]
     command += ["--max-batch-sequences", "2", "--metrics-address", "127.0.0.1:0"]
+    command += ["--compile-cache", str(tmp_path / "jax")]
     process = subprocess.Popen(
         command,
         cwd=ROOT,
@@ -249,7 +250,7 @@ def test_serve_teacher_warms_up_its_shapes_prints_them_and_serves_metrics(llama,
         assert "max_length 16," in teacher_line
         assert re.search(
             r"; warm-up compiled \d+ shapes in [\d.]+ s \(rows 1\.\.2 x lengths 16; top-k 8, "
-            r"64; candidates 8, 64\)$",
+            r"64; candidates 8, 64\); compile cache .*/jax$",
             teacher_line.strip(),
         ), teacher_line
         # A fresh process: its jit caches start empty, so the warm-up compiled all 10.
