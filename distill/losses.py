@@ -69,6 +69,14 @@ floored at ``log(tail_floor)``: with ``k = V`` both tails are rounding noise bel
 floor and the tail term is exactly 0 (top-k with ``k = V`` equals the full divergence),
 and a student whose tail underflows gets a large finite, not infinite, forward KL.
 
+These are per-token losses: the OPD update compares the student's distribution at the step
+it committed ``x_p`` (its context: the tokens committed at earlier steps) with the causal
+teacher's ``q(. | x_<p)``. That target is right only when the two contexts hold the same
+information; a student that commits a later token first is taught to ignore it (on
+``agree``: to stop copying, so the letters decorrelate). ``reverse_kl`` scores whole
+sequences, whose probability is the same in any order, and has no such bias.
+``tests/test_losses_known_answer.py`` pins both fixed points; docs/opd.md has the runs.
+
 Task reward (GRPO)
 ------------------
 :func:`grpo_advantages` normalizes rewards within groups; :func:`task_advantages` broadcasts
