@@ -25,7 +25,7 @@ RopeScaling = Literal["none", "linear", "llama3"]
 Alignment = Literal["same_position", "shifted"]
 Canvas = Literal["all_masked", "seed_and_mask"]
 Context = Literal["clean", "corrupted"]
-CommitRule = Literal["threshold", "schedule"]
+CommitRule = Literal["threshold", "schedule", "planner"]
 Confidence = Literal["max_prob", "sampled_prob"]
 ScheduleStrategy = Literal["confidence", "random", "entropy", "margin"]
 ObjectiveKind = Literal["block_ce", "mdlm", "self_corrupted", "coordination", "cmd"]
@@ -152,6 +152,10 @@ class ModelConfig(_Config):
     rope_low_freq_factor: float = Field(default=1.0, gt=0)
     rope_high_freq_factor: float = Field(default=4.0, gt=0)
     rope_original_max_position: int = Field(default=8192, gt=0)
+    # Width of the commit-planner head (distill/models/planner.py) on the final hidden
+    # states: the commit policy of `rollout.commit_rule: planner`. None: no planner (the
+    # parameters and outputs are exactly those of a student without one).
+    planner_hidden: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check_heads(self) -> Self:
@@ -162,6 +166,13 @@ class ModelConfig(_Config):
                 "d_model",
                 f"be divisible by n_heads={self.n_heads} when head_dim is unset",
                 self.d_model,
+            )
+        if self.planner_hidden is not None and self.attention_type != "block_diffusion":
+            raise _field_error(
+                "planner_hidden",
+                "be None unless attention_type is 'block_diffusion' (a commit planner decides "
+                "which masked slots a denoising step commits)",
+                self.planner_hidden,
             )
         if self.resolved_head_dim % 2:
             raise _field_error("head_dim", "be even (RoPE rotates pairs)", self.resolved_head_dim)
@@ -274,6 +285,10 @@ class LossConfig(_Config):
     # Rollouts per prompt: each batch holds data.batch_size prompts x group_size rows; the
     # GRPO task reward is normalized within each prompt's group.
     group_size: int = Field(default=1, gt=0)
+    # Reward charged per denoising step (one student forward) a row spends, in the units of
+    # the per-token log-ratio; trained only through the planner's commit decisions
+    # (`rollout.commit_rule: planner`, docs/opd.md).
+    forward_cost: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -380,6 +395,40 @@ class JobConfig(_Config):
 
         check_cross_tokenizer_loss(self.loss.kind, self.loss.advantage, self.loss.teacher_top_k)
 
+    def _check_planner(self) -> None:
+        """The planner rule needs a student with a planner head and the joint reverse-KL
+        policy gradient; the per-forward cost only trains planner decisions."""
+        planner = self.rollout.commit_rule == "planner"
+        if planner and self.student.planner_hidden is None:
+            raise _field_error(
+                "student.planner_hidden",
+                "be set when rollout.commit_rule is 'planner' (the head that gives each "
+                "masked slot its commit probability)",
+                None,
+            )
+        if planner and self.loss.kind != "reverse_kl":
+            raise _field_error(
+                "loss.kind",
+                "be 'reverse_kl' when rollout.commit_rule is 'planner' (the joint policy "
+                "gradient over token values and commit decisions)",
+                self.loss.kind,
+            )
+        if planner and self.loss.task_reward_weight > 0:
+            raise _field_error(
+                "loss.task_reward_weight",
+                "be 0 when rollout.commit_rule is 'planner' (not part of the joint loss yet)",
+                self.loss.task_reward_weight,
+            )
+        if self.loss.forward_cost > 0 and not planner:
+            raise _field_error(
+                "loss.forward_cost",
+                "be 0 unless rollout.commit_rule is 'planner' (only planner decisions can "
+                "trade forwards for reward)",
+                self.loss.forward_cost,
+            )
+        if self.teacher.planner_hidden is not None:
+            raise _field_error("teacher.planner_hidden", "be None", self.teacher.planner_hidden)
+
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.teacher.attention_type != "causal":
@@ -403,6 +452,7 @@ class JobConfig(_Config):
                 f"keep whole groups of loss.group_size={self.loss.group_size} in each slice",
                 microbatches,
             )
+        self._check_planner()
         for field in ("alignment", "canvas"):
             if getattr(self.rollout, field) != getattr(self.objective, field):
                 raise _field_error(

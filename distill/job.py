@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
 
 from distill.config import JobConfig, PhaseConfig
 from distill.data.stream import TaskStream
@@ -83,6 +87,28 @@ def _phase(config: PhaseConfig) -> dict[str, Any]:
     return {"steps": config.steps, "optimizer": config.optimizer.model_dump()}
 
 
+#: Config fields added after runs were first saved, with the value that means "not used":
+#: at that value a field is left out of the contract, so a run saved before it existed still
+#: resumes (its contract lacks the field); set to anything else it is recorded and must match.
+LATER_FIELDS: Mapping[tuple[str, str], Any] = MappingProxyType(
+    {
+        ("teacher", "planner_hidden"): None,
+        ("student", "planner_hidden"): None,
+        ("loss", "forward_cost"): 0.0,
+    }
+)
+
+
+def _dump(section: str, config: BaseModel) -> dict[str, Any]:
+    """``config.model_dump()`` without the :data:`LATER_FIELDS` of ``section`` at their
+    not-used value."""
+    dumped = config.model_dump()
+    for (where, field), unused in LATER_FIELDS.items():
+        if where == section and field in dumped and dumped[field] == unused:
+            del dumped[field]
+    return dumped
+
+
 def phase_contract(
     job: JobConfig,
     tokenizer: Tokenizer,
@@ -120,12 +146,12 @@ def phase_contract(
     }
     if phase == "teacher_training":
         contract |= {
-            "teacher": job.teacher.model_dump(),
+            "teacher": _dump("teacher", job.teacher),
             "training": _phase(phase_config or job.teacher_training),
         }
     elif phase == "student_warmup":
         contract |= {
-            "student": job.student.model_dump(),
+            "student": _dump("student", job.student),
             "student_init": job.student_init,
             "teacher_hash": teacher_hash,
             "objective": job.objective.model_dump(),
@@ -133,12 +159,12 @@ def phase_contract(
         }
     else:
         contract |= {
-            "student": job.student.model_dump(),
-            "teacher": job.teacher.model_dump(),
+            "student": _dump("student", job.student),
+            "teacher": _dump("teacher", job.teacher),
             "teacher_hash": teacher_hash,
             "student_start_hash": student_hash,
             "rollout": job.rollout.model_dump() | {"completion_length": completion_length(job)},
-            "loss": job.loss.model_dump(),
+            "loss": _dump("loss", job.loss),
             "training": _phase(phase_config or job.opd),
             # The run's saved evaluations are one curve: resuming must not change its set.
             "eval_examples": (phase_config or job.opd).eval_examples,

@@ -26,6 +26,18 @@ Semantics (DESIGN section 5):
 - ``schedule`` rule: ``k = ceil(pending / steps_left)`` slots per step, chosen by score:
   ``confidence`` (max prob), ``random``, ``entropy`` (lowest first) or ``margin``. The step
   budget per block is ``ceil(schedule_steps * block_size / completion_length)``.
+- ``planner`` rule (the student's commit policy, :mod:`distill.models.planner`): each
+  pending slot commits with probability ``sigmoid(z)``, ``z`` the planner's logit of the
+  hidden state its proposal is read from, decided by a Bernoulli draw ``u < sigmoid(z)``
+  with ``u`` uniform from the row's step key. Forced progress: when a row draws no commit,
+  its pending slot with the largest ``z`` (ties to the lowest slot) commits anyway. The
+  trace records every draw: ``decision_logps[b, p, j]`` is the log-probability of slot
+  ``p``'s draw at the ``j``-th step of its block (``log sigmoid(z)`` for a commit draw,
+  ``log sigmoid(-z)`` for a wait draw; 0 where the slot was not pending), and ``forced``
+  marks the slots committed by forced progress: their draw at their commit step was a wait,
+  recorded as ``log sigmoid(-z)``. The draws are the action, the forced commit a
+  deterministic function of them, so these log-probs are exact likelihoods of what was
+  sampled (docs/opd.md). A ``shifted`` anchor step has no decisions.
 - ``shifted`` alignment: logits at the previous logical position predict a token. A block's
   first slot (anchor) is committed first, as its own action step, from the clean previous
   block's last logits (the prefill for the first block); it is never masked in the input.
@@ -184,6 +196,10 @@ class Trace:
     ``prompt_mask``, ``completion_mask`` (generated slots), ``action_steps`` (int32, the
     row's step at which the slot was committed; -1 outside the completion),
     ``action_logps`` (float32). ``forwards`` ``[B]`` int32.
+
+    Planner rule only (None otherwise): ``decision_logps`` ``[B, L, block_size]`` float32
+    (``[b, p, j]``: log-prob of slot p's commit draw at the j-th step of its block, 0 where
+    it was not pending) and ``forced`` ``[B, L]`` bool (committed by forced progress).
     """
 
     tokens: jax.Array
@@ -196,6 +212,8 @@ class Trace:
     forwards: jax.Array
     settings: SamplingSettings = dataclasses.field(metadata={"static": True})
     block_size: int = dataclasses.field(metadata={"static": True})
+    decision_logps: jax.Array | None = None
+    forced: jax.Array | None = None
 
     def tokens_per_forward(self) -> float:
         """Committed completion tokens per counted forward, over the whole batch."""
@@ -251,6 +269,10 @@ def _propose(
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, log_probs.shape[1:]))(sample_keys)
         proposals = jnp.argmax(log_probs + gumbel, axis=-1)
     chosen = jnp.take_along_axis(log_probs, proposals[..., None], axis=-1)[..., 0]
+    if settings.commit_rule == "planner":
+        # The planner's Bernoulli draws read these uniforms (``u < sigmoid(z)``).
+        score = jax.vmap(lambda key: jax.random.uniform(key, log_probs.shape[1:2]))(score_keys)
+        return proposals.astype(jnp.int32), chosen, score
     probs = jnp.exp(log_probs)
     if settings.commit_rule == "threshold":
         score = chosen if settings.confidence == "sampled_prob" else log_probs.max(-1)
@@ -284,6 +306,21 @@ def _select(
     return pending & (rank < k[:, None])
 
 
+def _plan(
+    commit_logits: jax.Array, uniforms: jax.Array, pending: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Planner decisions of one step (``[B, K]`` each): which slots commit, which of them
+    were forced, and every pending slot's draw log-prob (0 elsewhere)."""
+    drawn = pending & (uniforms < jax.nn.sigmoid(commit_logits))
+    best = jnp.argmax(jnp.where(pending, commit_logits, NEG_INF), axis=-1)
+    none = pending.any(-1) & ~drawn.any(-1)
+    forced = jax.nn.one_hot(best, pending.shape[-1], dtype=bool) & pending & none[:, None]
+    draw_logps = jnp.where(
+        drawn, jax.nn.log_sigmoid(commit_logits), jax.nn.log_sigmoid(-commit_logits)
+    )
+    return drawn | forced, forced, jnp.where(pending, draw_logps, 0.0)
+
+
 def _steps_per_block(settings: SamplingSettings, block_size: int) -> int:
     if settings.commit_rule != "schedule":
         return block_size
@@ -312,6 +349,7 @@ def _denoise(
     size, first = layout.block_size, layout.first_window
     batch = layout.tokens.shape[0]
     shifted = settings.alignment == "shifted"
+    planner = settings.commit_rule == "planner"
     steps_per_block = _steps_per_block(settings, size)
     stop_ids = jnp.asarray(settings.stop_ids, jnp.int32)
 
@@ -333,7 +371,8 @@ def _denoise(
         return jax.vmap(jax.random.fold_in)(keys, counter)
 
     def window_body(window, carry):
-        canvas, steps, logps, counter, forwards, stopped, cache, last_logits = carry
+        canvas, steps, logps, counter, forwards, stopped, cache, last_logits = carry[:8]
+        decisions, forced = carry[8:] if planner else (None, None)
         w_tokens = _window(canvas, window, size)
         w_pos = _window(layout.positions, window, size)
         w_seg = _window(layout.segment_ids, window, size)
@@ -351,43 +390,77 @@ def _denoise(
             w_logps = w_logps.at[:, 0].set(jnp.where(is_anchor, lp[:, 0], w_logps[:, 0]))
             counter = counter + is_anchor
             forwards = forwards + is_anchor
+        # The step index inside this block where the row's denoising steps start.
+        first_offset = is_anchor.astype(jnp.int32) if shifted else jnp.zeros_like(counter)
+
+        def window_hidden(w_tokens):
+            if prefix_cache:
+                return model.decode_hidden(w_tokens, w_pos, w_seg, cache)[0]
+            # Reference path: recompute the whole row every step (same logits, more work).
+            full = _put_window(canvas, w_tokens, window, size)
+            hidden = model.hidden_states(full, layout.positions, layout.segment_ids)
+            return _window(hidden, window, size)
 
         def window_logits(w_tokens):
             if prefix_cache:
                 return model.decode(w_tokens, w_pos, w_seg, cache)[0]
-            # Reference path: recompute the whole row every step (same logits, more work).
-            full = _put_window(canvas, w_tokens, window, size)
-            hidden = model.hidden_states(full, layout.positions, layout.segment_ids)
-            return model.logits(_window(hidden, window, size))
+            return model.logits(window_hidden(w_tokens))
 
         def pending_of(w_steps):
             return w_completion & (w_steps < 0)
 
         def step_cond(state):
-            w_tokens, w_steps, w_logps, counter, forwards, taken = state
+            w_tokens, w_steps, w_logps, counter, forwards, taken = state[:6]
             return pending_of(w_steps).any() & (taken < size)
 
         def step_body(state):
-            w_tokens, w_steps, w_logps, counter, forwards, taken = state
+            w_tokens, w_steps, w_logps, counter, forwards, taken = state[:6]
             pending = pending_of(w_steps)
             active = pending.any(-1)
-            logits = window_logits(w_tokens)
+            if planner:
+                hidden = window_hidden(w_tokens)
+                logits = model.logits(hidden)
+                commit_logits = model.commit_logits(hidden)
+            else:
+                logits = window_logits(w_tokens)
             if shifted:
                 logits = jnp.concatenate([last_logits[:, None], logits[:, :-1]], axis=1)
             log_probs = _tempered_log_probs(logits, settings)
             ids, lp, score = _propose(log_probs, step_key(counter), settings)
-            commit = _select(score, pending, steps_per_block - taken, settings)
+            if planner:
+                if shifted:  # slot k's proposal (and decision) reads the state at k - 1
+                    commit_logits = jnp.concatenate(
+                        [jnp.zeros_like(commit_logits[:, :1]), commit_logits[:, :-1]], axis=1
+                    )
+                commit, forced_now, draw_logps = _plan(commit_logits, score, pending)
+                w_decisions, w_forced = state[6:]
+                column = jax.nn.one_hot(first_offset + taken, size, dtype=bool)[:, None, :]
+                w_decisions = jnp.where(
+                    column & pending[..., None], draw_logps[..., None], w_decisions
+                )
+                extra = (w_decisions, w_forced | forced_now)
+            else:
+                commit = _select(score, pending, steps_per_block - taken, settings)
+                extra = ()
             w_tokens = jnp.where(commit, ids, w_tokens)
             w_steps = jnp.where(commit, counter[:, None], w_steps)
             w_logps = jnp.where(commit, lp, w_logps)
             counter = counter + commit.any(-1)
-            return w_tokens, w_steps, w_logps, counter, forwards + active, taken + 1
+            return (w_tokens, w_steps, w_logps, counter, forwards + active, taken + 1, *extra)
 
-        w_tokens, w_steps, w_logps, counter, forwards, _ = jax.lax.while_loop(
+        extra = ()
+        if planner:
+            extra = (_window(decisions, window, size), _window(forced, window, size))
+        w_tokens, w_steps, w_logps, counter, forwards, _, *extra = jax.lax.while_loop(
             step_cond,
             step_body,
-            (w_tokens, w_steps, w_logps, counter, forwards, jnp.zeros((), jnp.int32)),
+            (w_tokens, w_steps, w_logps, counter, forwards, jnp.zeros((), jnp.int32), *extra),
         )
+        if planner:
+            extra = (
+                _put_window(decisions, extra[0], window, size),
+                _put_window(forced, extra[1], window, size),
+            )
         # The window is clean now: cache it; its last logits seed the next anchor.
         clean_logits, cache = model.decode(w_tokens, w_pos, w_seg, cache, write_index=window * size)
         stopped = stopped | (w_completion & jnp.isin(w_tokens, stop_ids)).any(-1)
@@ -400,8 +473,15 @@ def _denoise(
             stopped if settings.stop_when_done else jnp.zeros_like(stopped),
             cache,
             clean_logits[:, -1],
+            *extra,
         )
 
+    planner_init = ()
+    if planner:
+        planner_init = (
+            jnp.zeros((*layout.tokens.shape, size), jnp.float32),
+            jnp.zeros(layout.tokens.shape, bool),
+        )
     init = (
         layout.tokens,
         jnp.full(layout.tokens.shape, -1, jnp.int32),
@@ -411,8 +491,9 @@ def _denoise(
         jnp.zeros((batch,), bool),
         cache,
         last_logits,
+        *planner_init,
     )
-    canvas, steps, logps, _, forwards, _, _, _ = jax.lax.fori_loop(
+    canvas, steps, logps, _, forwards, _, _, _, *planned = jax.lax.fori_loop(
         first, layout.num_windows, window_body, init
     )
     generated = layout.completion_mask & (steps >= 0)
@@ -428,6 +509,8 @@ def _denoise(
         forwards=forwards,
         settings=settings,
         block_size=size,
+        decision_logps=planned[0] if planner else None,
+        forced=planned[1] if planner else None,
     )
 
 
@@ -467,6 +550,11 @@ def denoise(
         raise ValueError(
             f"`settings.stop_ids` must not contain the mask id {settings.mask_id}; "
             f"received {settings.stop_ids}"
+        )
+    if settings.commit_rule == "planner" and model.planner is None:
+        raise ValueError(
+            "`model.config.planner_hidden` must be set for commit_rule 'planner' (the "
+            "student's commit policy head); received None"
         )
     if settings.alignment == "shifted" and layout.block_size < 2:
         raise ValueError(

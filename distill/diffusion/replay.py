@@ -17,6 +17,13 @@ excluded.
 - :func:`replay_completion`: the same in completion space (:class:`CompletionReplay`),
   optionally with the full sampling distributions for the full-vocabulary / top-k losses.
 
+Planner traces (``commit_rule: planner``) also replay their commit decisions:
+:func:`replay_decisions_per_step` (reference) and :func:`replay_decisions_packed` (the
+packed chunks; ``replay_completion(..., decisions=True)`` in completion space) rebuild the
+canvas of every step, read the planner's logit where the rollout read it and return every
+draw's log-prob as the trace's ``decision_logps`` ``[B, L, block_size]``
+(:func:`decision_layout` says which draws exist and which committed).
+
 Log-probs are gathered with a chunked log-sum-exp over the vocabulary
 (:func:`~distill.models.logprobs.gathered_log_probs`), never as ``[B, L, V]`` logits.
 Both paths return ``[B, L]`` float32 with zeros outside the completion.
@@ -133,8 +140,145 @@ def validate_trace(trace: Trace, vocab_size: int | None = None) -> None:
             raise fail("tokens", f"hold no mask id {mask_id} in the completion", "a mask")
         if not np.isfinite(logps[row][completion[row]]).all():
             raise fail("action_logps", "be finite on the completion", "non-finite")
+    _validate_decisions(trace)
     if vocab_size is not None and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise TraceError(f"`trace.tokens` must be in [0, {vocab_size}); got {tokens.max()}")
+
+
+def _validate_decisions(trace: Trace) -> None:
+    """Planner fields: present exactly for the planner rule, ``[B, L, K]`` finite log-probs
+    <= 0 exactly where a draw happened, ``forced`` only on committed slots."""
+    planner = trace.settings.commit_rule == "planner"
+    for name in ("decision_logps", "forced"):
+        if (getattr(trace, name) is None) == planner:
+            need = "be given" if planner else "be None"
+            raise TraceError(
+                f"`trace.{name}` must {need} for commit_rule {trace.settings.commit_rule!r}; "
+                f"received {type(getattr(trace, name)).__name__}"
+            )
+    if not planner:
+        return
+    shape = (*np.shape(trace.tokens), trace.block_size)
+    decisions, forced = np.asarray(trace.decision_logps), np.asarray(trace.forced)
+    if decisions.shape != shape or forced.shape != shape[:2]:
+        raise TraceError(
+            f"`trace.decision_logps` must be {shape} and forced {shape[:2]}; received "
+            f"{decisions.shape} and {forced.shape}"
+        )
+    drawn, _ = decision_layout(trace)
+    drawn = np.asarray(drawn)
+    if not (np.isfinite(decisions).all() and (decisions <= 0).all()):
+        raise TraceError("`trace.decision_logps` must be finite and <= 0; received otherwise")
+    if (decisions[~drawn] != 0).any():
+        row = int(np.argwhere((decisions != 0) & ~drawn)[0][0])
+        raise TraceError(f"`trace.decision_logps` must be 0 where no draw happened (row {row})")
+    if (forced & ~np.asarray(trace.completion_mask)).any():
+        raise TraceError("`trace.forced` must mark completion slots only; received others")
+
+
+def _block_first_steps(trace: Trace) -> jax.Array:
+    """``[B, L]`` int32: the first step of each slot's block (blocks are windows)."""
+    size = trace.block_size
+    batch, length = trace.tokens.shape
+    steps = jnp.where(trace.completion_mask, trace.action_steps, jnp.iinfo(jnp.int32).max)
+    return jnp.repeat(steps.reshape(batch, length // size, size).min(-1), size, axis=1)
+
+
+def decision_steps(trace: Trace) -> jax.Array:
+    """``[B, L, K]`` int32: the row's step of each potential draw ``[b, p, j]`` (the j-th
+    step of slot p's block); meaningful where :func:`decision_layout` says a draw exists."""
+    return _block_first_steps(trace)[..., None] + jnp.arange(trace.block_size, dtype=jnp.int32)
+
+
+def decision_layout(trace: Trace) -> tuple[jax.Array, jax.Array]:
+    """Which planner draws a trace holds, ``[B, L, K]`` bool each: ``drawn[b, p, j]`` (slot
+    p was pending at the j-th step of its block, not counting a ``shifted`` anchor step,
+    which draws nothing) and ``committed`` (that draw was a commit: the slot's commit step
+    and not forced)."""
+    size = trace.block_size
+    batch, length = trace.tokens.shape
+    steps = jnp.asarray(trace.action_steps)
+    completion = jnp.asarray(trace.completion_mask)
+    windows = length // size
+    first = _block_first_steps(trace)
+    j = jnp.arange(size, dtype=jnp.int32)
+    step = first[..., None] + j  # [B, L, K]
+    drawn = completion[..., None] & (step <= steps[..., None])
+    if trace.settings.alignment == "shifted":
+        anchored = jnp.repeat(completion.reshape(batch, windows, size)[..., 0], size, axis=1)
+        drawn = drawn & ~(anchored[..., None] & (j == 0))
+    forced = jnp.asarray(trace.forced) if trace.forced is not None else jnp.zeros_like(completion)
+    committed = drawn & (step == steps[..., None]) & ~forced[..., None]
+    return drawn, committed
+
+
+def _draw_logps(commit_logits: jax.Array, drawn: jax.Array, committed: jax.Array) -> jax.Array:
+    logp = jnp.where(
+        committed, jax.nn.log_sigmoid(commit_logits), jax.nn.log_sigmoid(-commit_logits)
+    )
+    return jnp.where(drawn, logp, 0.0)
+
+
+def _check_planner(model: Transformer, trace: Trace) -> None:
+    if trace.settings.commit_rule != "planner" or trace.forced is None:
+        raise ValueError(
+            "`trace.settings.commit_rule` must be 'planner' (with forced flags) to replay "
+            f"decisions; received {trace.settings.commit_rule!r}"
+        )
+    if model.planner is None:
+        raise ValueError("`model.config.planner_hidden` must be set to replay decisions; None")
+
+
+def replay_decisions_per_step(model: Transformer, trace: Trace, *, num_steps: int) -> jax.Array:
+    """Reference replay of a planner trace's draws: one full forward per step, ``[B, L, K]``
+    like ``trace.decision_logps`` (NaN for draws at steps ``num_steps`` does not cover)."""
+    _check_planner(model, trace)
+    _check_step_count(trace, num_steps, "num_steps")
+    graphdef, state = nnx.split(model)
+    size, offset = trace.block_size, _source_offset(trace)
+    drawn, committed = decision_layout(trace)
+    batch, length = trace.tokens.shape
+    first = _block_first_steps(trace)
+
+    @jax.checkpoint
+    def body(out, step):
+        student: Transformer = nnx.merge(graphdef, state)
+        hidden = student.hidden_states(_canvas(trace, step), trace.positions, trace.segment_ids)
+        logits = student.commit_logits(hidden)
+        if offset:  # a decision reads the state its proposal reads: the previous slot
+            logits = jnp.concatenate([jnp.zeros_like(logits[:, :1]), logits[:, :-1]], axis=1)
+        column = jax.nn.one_hot(step - first, size, dtype=bool)  # [B, L, K]
+        here = column & drawn
+        return out + _draw_logps(logits[..., None], here, committed & here), None
+
+    out, _ = jax.lax.scan(
+        body,
+        jnp.zeros((batch, length, size), jnp.float32),
+        jnp.arange(num_steps, dtype=jnp.int32),
+    )
+    uncovered = drawn & (first[..., None] + jnp.arange(size) >= num_steps)
+    return jnp.where(uncovered, jnp.nan, out)
+
+
+def replay_decisions_packed(
+    model: Transformer,
+    trace: Trace,
+    *,
+    num_chunks: int,
+    dense: bool = False,
+    chunks_per_forward: int | None = None,
+) -> jax.Array:
+    """Packed replay of a planner trace's draws (one forward over the canvas chunks):
+    ``[B, L, K]`` like ``trace.decision_logps``."""
+    replayed = replay_completion(
+        model,
+        trace,
+        num_chunks=num_chunks,
+        dense=dense,
+        chunks_per_forward=chunks_per_forward,
+        decisions=True,
+    )
+    return replayed.scatter(replayed.decision_logps, trace.tokens.shape[1])
 
 
 def num_steps_bucket(trace: Trace, multiple: int = 8) -> int:
@@ -249,19 +393,23 @@ class CompletionReplay:
     present) and, when asked for, ``log_probs`` ``[B, N, V]`` float32: the full sampling
     distribution (rollout temperature, mask id excluded) each action was drawn from, or
     ``gathered_logps`` ``[B, N, k]``: that distribution at k given ids per token (-inf at the
-    mask id), without materializing ``[B, N, V]``."""
+    mask id), without materializing ``[B, N, V]``; for a planner trace, when asked for,
+    ``decision_logps`` ``[B, N, K]``: every commit draw's log-prob (``trace.decision_logps``
+    in completion space)."""
 
     slots: jax.Array
     present: jax.Array
     logps: jax.Array
     log_probs: jax.Array | None = None
     gathered_logps: jax.Array | None = None
+    decision_logps: jax.Array | None = None
 
     def scatter(self, values: jax.Array, length: int) -> jax.Array:
-        """``[B, N]`` completion values -> ``[B, length]`` row layout (0 elsewhere)."""
+        """``[B, N, ...]`` completion values -> ``[B, length, ...]`` row layout (0 elsewhere)."""
         rows = jnp.arange(values.shape[0])[:, None]
-        zeros = jnp.zeros((values.shape[0], length), values.dtype)
-        return zeros.at[rows, self.slots].add(jnp.where(self.present, values, 0))
+        zeros = jnp.zeros((values.shape[0], length, *values.shape[2:]), values.dtype)
+        present = self.present.reshape(self.present.shape + (1,) * (values.ndim - 2))
+        return zeros.at[rows, self.slots].add(jnp.where(present, values, 0))
 
     def gather(self, values: jax.Array) -> jax.Array:
         """``[B, L, ...]`` row layout -> ``[B, N, ...]`` completion values."""
@@ -306,11 +454,16 @@ def replay_completion(
     dense: bool = False,
     chunks_per_forward: int | None = None,
     vocab_chunk: int | None = 4096,
+    decisions: bool = False,
 ) -> CompletionReplay:
     """:func:`replay_packed` in completion space; ``distributions=True`` also returns the
     full ``[B, N, V]`` sampling distributions (for the full-vocabulary losses: memory grows
     with the vocabulary); ``gather_ids`` ``[B, L, k]`` (row layout, e.g. a teacher's top-k
-    ids) returns the distribution at those ids only (chunked log-sum-exp, as for actions)."""
+    ids) returns the distribution at those ids only (chunked log-sum-exp, as for actions);
+    ``decisions=True`` (a planner trace) also replays every commit draw from the same
+    forward."""
+    if decisions:
+        _check_planner(model, trace)
     if chunks_per_forward is not None and (
         chunks_per_forward < 1 or num_chunks % chunks_per_forward
     ):
@@ -383,6 +536,39 @@ def replay_completion(
         log_probs = tempered_log_softmax(
             model.logits(picked), trace.settings.temperature, trace.settings.mask_id
         )
+    decision_logps = None
+    if decisions:
+        # Chunk c holds step c's canvas of its block: the planner's logit of slot k there is
+        # the one the rollout's draw read at that step.
+        chunk_hidden = hidden[:, length:].reshape(batch, num_chunks, size, -1)
+        chunk_logits = model.commit_logits(chunk_hidden)  # [B, C, K]
+        if offset:
+            chunk_logits = jnp.concatenate(
+                [jnp.zeros_like(chunk_logits[..., :1]), chunk_logits[..., :-1]], axis=-1
+            )
+        drawn, committed = (_gather_slots(a, slots) for a in decision_layout(trace))
+        first = jnp.take_along_axis(_block_first_steps(trace), slots, axis=1)
+        step = first[..., None] + jnp.arange(size)
+        within = (slots % size)[..., None]
+        flat = chunk_logits.reshape(batch, num_chunks * size)
+        index = jnp.clip(step, 0, num_chunks - 1) * size + within  # [B, N, K]
+        picked_logits = jnp.take_along_axis(flat, index.reshape(batch, -1), axis=1).reshape(
+            index.shape
+        )
+        drawn = drawn & present[..., None]
+        decision_logps = _draw_logps(picked_logits, drawn, committed & drawn)
+        decision_logps = jnp.where(drawn & (step >= num_chunks), jnp.nan, decision_logps)
     return CompletionReplay(
-        slots=slots, present=present, logps=logp, log_probs=log_probs, gathered_logps=gathered
+        slots=slots,
+        present=present,
+        logps=logp,
+        log_probs=log_probs,
+        gathered_logps=gathered,
+        decision_logps=decision_logps,
     )
+
+
+def _gather_slots(values: jax.Array, slots: jax.Array) -> jax.Array:
+    """``[B, L, ...]`` row layout -> ``[B, N, ...]`` at completion ``slots`` ``[B, N]``."""
+    index = slots.reshape(slots.shape + (1,) * (values.ndim - 2))
+    return jnp.take_along_axis(values, index, axis=1)

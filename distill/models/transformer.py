@@ -25,6 +25,7 @@ from flax import nnx
 from distill.config import ModelConfig
 from distill.models import masks
 from distill.models.kv_cache import KVCache
+from distill.models.planner import CommitPlanner
 from distill.models.sharding import constrain
 
 
@@ -287,6 +288,13 @@ class Transformer(nnx.Module):
                 rngs=rngs,
             )
         )
+        # Created last, from its own stream, so a student with a planner shares every other
+        # parameter's initial value with one without.
+        self.planner = (
+            None
+            if config.planner_hidden is None
+            else CommitPlanner(config, rngs=nnx.Rngs(rngs.params()))
+        )
 
     # ---- public API -------------------------------------------------------------------
 
@@ -438,6 +446,15 @@ class Transformer(nnx.Module):
         """Project hidden states ``[..., d]`` to float32 logits ``[..., V]``."""
         out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         return constrain(out.astype(jnp.float32), ("batch", "length", "vocab"))
+
+    def commit_logits(self, hidden: jax.Array) -> jax.Array:
+        """The planner's commit logits ``[...]`` float32 of hidden states ``[..., d]``."""
+        if self.planner is None:
+            raise ValueError(
+                "`model.config.planner_hidden` must be set for commit logits (a student with "
+                "a planner head); received None"
+            )
+        return self.planner(hidden)
 
     def output_embedding(self) -> jax.Array:
         """The ``[d_model, vocab]`` matrix that maps hidden states to logits."""

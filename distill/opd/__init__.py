@@ -3,6 +3,8 @@
 
 - :mod:`distill.opd.batch`: batch preparation (OPD weights, teacher scores, rewards);
 - :mod:`distill.opd.update`: the jitted update step;
+- :mod:`distill.opd.planner_loss`: the joint token + commit-decision loss of a planner
+  rollout (``rollout.commit_rule: planner``), with the per-forward cost;
 - :mod:`distill.opd.records`: a rollout as data that crosses processes (policy version,
   identity, numpy), and merging a step's parts from several workers;
 - :mod:`distill.opd.learner`: :class:`OpdLearner` (contract, ledger, staleness, checks,
@@ -26,10 +28,12 @@ from distill.opd.learner import (
     run_opd,
     student_weights,
 )
+from distill.opd.planner_loss import JointLoss
 from distill.opd.records import RolloutBatch, merge_batches
 from distill.opd.update import frozen_copy, opd_update
 
 __all__ = [
+    "JointLoss",
     "NonFiniteError",
     "OpdLearner",
     "PreparedBatch",

@@ -43,6 +43,7 @@ from distill.job import JobPlan, Progress
 from distill.losses import OpdLoss
 from distill.models.transformer import Transformer
 from distill.opd.batch import prepare_batch, task_rewards, teacher_top_k
+from distill.opd.planner_loss import JointLoss
 from distill.opd.records import RolloutBatch, merge_batches, save_batch
 from distill.opd.update import frozen_copy, opd_update
 from distill.pipeline import phase_train_state
@@ -119,7 +120,11 @@ class OpdLearner:
         info = teacher.info()
         cross_ok = job.teacher_tokenizer is not None
         check_compatible(info, tokenizer, student.config.vocab_size, cross_tokenizer_ok=cross_ok)
-        self.loss = OpdLoss.from_config(job.loss)
+        self.loss = (
+            JointLoss.from_config(job.loss)
+            if job.rollout.commit_rule == "planner"
+            else OpdLoss.from_config(job.loss)
+        )
         #: The teacher has another tokenizer: it scores text (see distill/cross_tokenizer.py).
         self.cross_tokenizer = cross_ok and info.tokenizer_hash != tokenizer.content_hash()
         if self.cross_tokenizer:

@@ -38,6 +38,17 @@ SLOT_FIELDS: dict[str, type] = {
     "action_logps": np.float32,
 }
 
+#: A planner rollout's commit draws (``commit_rule: planner``): ``decision_logps``
+#: ``[B, L, block_size]`` and ``forced`` ``[B, L]``, carried in ``slots`` beside the rest.
+PLANNER_FIELDS: dict[str, type] = {"decision_logps": np.float32, "forced": np.bool_}
+
+
+def slot_fields(settings: SamplingSettings) -> dict[str, type]:
+    """The per-slot arrays a trace made under ``settings`` carries, with their dtypes."""
+    if settings.commit_rule == "planner":
+        return SLOT_FIELDS | PLANNER_FIELDS
+    return dict(SLOT_FIELDS)
+
 
 def _error(field: str, requirement: str, received: object) -> TraceError:
     return TraceError(f"`{field}` must {requirement}; received {received!r}")
@@ -46,7 +57,8 @@ def _error(field: str, requirement: str, received: object) -> TraceError:
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch:
     """Rows of one step's rollout. ``slots`` maps each of :data:`SLOT_FIELDS` to a
-    ``[B, L]`` array; ``forwards``, ``row_ids``, ``stream_positions`` are ``[B]``."""
+    ``[B, L]`` array (and, for a planner rollout, :data:`PLANNER_FIELDS`: ``[B, L, K]`` /
+    ``[B, L]``); ``forwards``, ``row_ids``, ``stream_positions`` are ``[B]``."""
 
     step: int
     policy_version: int
@@ -64,14 +76,20 @@ class RolloutBatch:
                 raise _error(f"trace.{field}", "be an int >= 0", value)
         if self.block_size < 1:
             raise _error("trace.block_size", "be >= 1", self.block_size)
-        if set(self.slots) != set(SLOT_FIELDS):
-            raise _error("trace.slots", f"hold exactly {sorted(SLOT_FIELDS)}", sorted(self.slots))
+        fields = slot_fields(self.settings)
+        if set(self.slots) != set(fields):
+            raise _error(
+                "trace.slots",
+                f"hold exactly {sorted(fields)} for commit_rule {self.settings.commit_rule!r}",
+                sorted(self.slots),
+            )
         shape = np.shape(self.slots["tokens"])
         if len(shape) != 2 or shape[0] == 0 or shape[1] == 0:
             raise _error("trace.tokens", "be a non-empty [B, L] array", shape)
         for name, array in self.slots.items():
-            if np.shape(array) != shape:
-                raise _error(f"trace.{name}", f"have shape {shape}", np.shape(array))
+            want = (*shape, self.block_size) if name == "decision_logps" else shape
+            if np.shape(array) != want:
+                raise _error(f"trace.{name}", f"have shape {want}", np.shape(array))
         for name in ("forwards", "row_ids", "stream_positions"):
             if np.shape(getattr(self, name)) != shape[:1]:
                 raise _error(
@@ -105,7 +123,7 @@ class RolloutBatch:
             stream_positions=np.asarray(stream_positions, np.int64),
             slots={
                 name: np.asarray(getattr(trace, name)).astype(dtype, copy=False)
-                for name, dtype in SLOT_FIELDS.items()
+                for name, dtype in slot_fields(trace.settings).items()
             },
             forwards=np.asarray(trace.forwards, np.int32),
             settings=trace.settings,
@@ -117,7 +135,7 @@ class RolloutBatch:
         return Trace(
             **{
                 name: jnp.asarray(np.asarray(self.slots[name], dtype))
-                for name, dtype in SLOT_FIELDS.items()
+                for name, dtype in slot_fields(self.settings).items()
             },
             forwards=jnp.asarray(np.asarray(self.forwards, np.int32)),
             settings=self.settings,
@@ -198,13 +216,16 @@ def merge_batches(parts: Sequence[RolloutBatch]) -> RolloutBatch:
             "completion_mask": False,
             "action_steps": -1,
             "action_logps": 0.0,
+            "decision_logps": 0.0,
+            "forced": False,
         }
         slots = {}
-        for name, dtype in SLOT_FIELDS.items():
+        for name, dtype in slot_fields(first.settings).items():
             shifted = []
             for part, window in zip(parts, windows, strict=True):
                 width = (common - window) * first.block_size
-                pad = np.full((part.rows, width), padding[name], dtype)
+                trailing = np.shape(part.slots[name])[2:]
+                pad = np.full((part.rows, width, *trailing), padding[name], dtype)
                 shifted.append(np.concatenate([pad, np.asarray(part.slots[name], dtype)], axis=1))
             lengths = {array.shape[1] for array in shifted}
             if len(lengths) != 1:
@@ -258,7 +279,7 @@ def load_batch(path: str | Path) -> RolloutBatch:
             policy_version=version,
             row_ids=data["row_ids"],
             stream_positions=data["stream_positions"],
-            slots={name: data[name] for name in SLOT_FIELDS},
+            slots={name: data[name] for name in slot_fields(SamplingSettings(**settings))},
             forwards=data["forwards"],
             settings=SamplingSettings(**settings),
             block_size=block_size,

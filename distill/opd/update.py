@@ -1,6 +1,7 @@
 """The OPD update step: exact packed replay of a prepared batch under the live student (and
 the frozen reference, when the loss has a reference KL), the configured
-:class:`~distill.losses.OpdLoss` with the trace's ``action_logps`` as behaviour log-probs
+:class:`~distill.losses.OpdLoss` (or, for a planner rollout, the joint token + commit
+decision loss :class:`~distill.opd.planner_loss.JointLoss`) with the trace's ``action_logps`` as behaviour log-probs
 (the importance ratio of a stale rollout), and one optimizer update, all in one ``jax.jit``.
 
 ``optimizer.microbatches`` splits the rows into slices replayed and differentiated one at
@@ -19,10 +20,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from distill.diffusion.replay import CompletionReplay, num_steps_bucket, replay_completion
+from distill.diffusion.replay import (
+    CompletionReplay,
+    decision_layout,
+    decision_steps,
+    num_steps_bucket,
+    replay_completion,
+)
 from distill.losses import OpdLoss, accumulate, reverse_kl_advantages
 from distill.models.transformer import Transformer
 from distill.opd.batch import PreparedBatch
+from distill.opd.planner_loss import JointLoss
 from distill.train import row_slice
 
 
@@ -77,6 +85,31 @@ def _loss_inputs(
     return weights, inputs
 
 
+def _joint_terms(
+    loss: JointLoss,
+    replayed: CompletionReplay,
+    prepared: PreparedBatch,
+    reference_logps: jax.Array | None,
+):
+    """The joint loss of a planner batch, every input in completion space."""
+    trace, gather = prepared.trace, replayed.gather
+    present = replayed.present
+    drawn, _ = decision_layout(trace)
+    return loss(
+        jnp.where(present, gather(prepared.weights), 0.0),
+        present=present,
+        student_logps=replayed.logps,
+        behaviour_logps=gather(trace.action_logps),
+        teacher_logps=gather(prepared.teacher_logps),
+        token_steps=gather(trace.action_steps),
+        decision_logps=replayed.decision_logps,
+        behaviour_decision_logps=gather(trace.decision_logps),
+        drawn=gather(drawn) & present[..., None],
+        decision_steps=gather(decision_steps(trace)),
+        reference_logps=reference_logps,
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "reference_graphdef", "loss", "num_chunks", "microbatches"),
@@ -89,7 +122,7 @@ def _opd_step(
     prepared: PreparedBatch,
     *,
     reference_graphdef,
-    loss: OpdLoss,
+    loss: OpdLoss | JointLoss,
     num_chunks: int,
     microbatches: int = 1,
 ):
@@ -100,6 +133,7 @@ def _opd_step(
     # the teacher's ids (never [B, N, V]); reverse_kl only the actions'.
     distributions = loss.kind != "reverse_kl" and loss.teacher_top_k is None
     topk = loss.kind != "reverse_kl" and loss.teacher_top_k is not None
+    joint = isinstance(loss, JointLoss)
 
     def piece(index):
         return row_slice(prepared, batch, microbatches, index)
@@ -142,11 +176,15 @@ def _opd_step(
             num_chunks=num_chunks,
             distributions=distributions,
             gather_ids=micro.teacher_topk_ids if topk else None,
+            decisions=joint,
         )
-        weights, inputs = _loss_inputs(loss, replayed, micro, reference_logps)
-        if micro_advantages is not None:
-            inputs["opd_advantage_values"] = micro_advantages
-        terms = loss(weights, **inputs)
+        if joint:
+            terms = _joint_terms(loss, replayed, micro, reference_logps)
+        else:
+            weights, inputs = _loss_inputs(loss, replayed, micro, reference_logps)
+            if micro_advantages is not None:
+                inputs["opd_advantage_values"] = micro_advantages
+            terms = loss(weights, **inputs)
         # One microbatch: the ratio; several: the weighted sum, divided once at the end.
         return (terms.value() if microbatches == 1 else terms.total), terms
 
@@ -194,7 +232,7 @@ def opd_update(
     optimizer: nnx.Optimizer,
     model: Transformer,
     prepared: PreparedBatch,
-    loss: OpdLoss,
+    loss: OpdLoss | JointLoss,
     *,
     reference: Transformer | None = None,
     microbatches: int = 1,
@@ -204,8 +242,20 @@ def opd_update(
     row slices are replayed and differentiated one at a time (bounding memory), their
     weighted sums and denominators added and divided once: the same update as the whole
     batch, to float32 rounding. The reverse-KL advantages, whose baselines are batch-wide,
-    come from a forward-only pass over every slice first."""
+    come from a forward-only pass over every slice first. A planner trace
+    (``commit_rule: planner``) takes a :class:`JointLoss` and one microbatch."""
     batch = prepared.trace.tokens.shape[0]
+    planner = prepared.trace.settings.commit_rule == "planner"
+    if planner != isinstance(loss, JointLoss):
+        raise ValueError(
+            "`loss` must be a JointLoss exactly for a planner trace (commit_rule "
+            f"{prepared.trace.settings.commit_rule!r}); received {type(loss).__name__}"
+        )
+    if planner and microbatches != 1:
+        raise ValueError(
+            "`microbatches` must be 1 for the planner's joint loss (its step baselines are "
+            f"batch-wide); received {microbatches}"
+        )
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"`microbatches` must be an int >= 1; received {microbatches!r}")
     if batch % microbatches:

@@ -37,7 +37,7 @@ class SamplingSettings(_message.Message):
     def __init__(self, alignment: _Optional[str] = ..., commit_rule: _Optional[str] = ..., threshold: _Optional[float] = ..., confidence: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., strategy: _Optional[str] = ..., temperature: _Optional[float] = ..., greedy: _Optional[bool] = ..., stop_when_done: _Optional[bool] = ..., completion_length: _Optional[int] = ..., mask_id: _Optional[int] = ..., pad_id: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TraceRow(_message.Message):
-    __slots__ = ("step", "row_id", "stream_position", "policy_version", "seed", "worker_id", "block_size", "settings", "tokens", "positions", "segment_ids", "prompt_mask", "completion_mask", "action_steps", "action_logps", "forwards", "completion_ids", "completion_text")
+    __slots__ = ("step", "row_id", "stream_position", "policy_version", "seed", "worker_id", "block_size", "settings", "tokens", "positions", "segment_ids", "prompt_mask", "completion_mask", "action_steps", "action_logps", "forwards", "decision_logps", "forced", "completion_ids", "completion_text")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROW_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,8 @@ class TraceRow(_message.Message):
     ACTION_STEPS_FIELD_NUMBER: _ClassVar[int]
     ACTION_LOGPS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_LOGPS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TEXT_FIELD_NUMBER: _ClassVar[int]
     step: int
@@ -72,6 +74,8 @@ class TraceRow(_message.Message):
     action_steps: _containers.RepeatedScalarFieldContainer[int]
     action_logps: _containers.RepeatedScalarFieldContainer[float]
     forwards: int
+    decision_logps: _containers.RepeatedScalarFieldContainer[float]
+    forced: _containers.RepeatedScalarFieldContainer[bool]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_text: str
-    def __init__(self, step: _Optional[int] = ..., row_id: _Optional[int] = ..., stream_position: _Optional[int] = ..., policy_version: _Optional[int] = ..., seed: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., settings: _Optional[_Union[SamplingSettings, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[int]] = ..., prompt_mask: _Optional[_Iterable[bool]] = ..., completion_mask: _Optional[_Iterable[bool]] = ..., action_steps: _Optional[_Iterable[int]] = ..., action_logps: _Optional[_Iterable[float]] = ..., forwards: _Optional[int] = ..., completion_ids: _Optional[_Iterable[int]] = ..., completion_text: _Optional[str] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., row_id: _Optional[int] = ..., stream_position: _Optional[int] = ..., policy_version: _Optional[int] = ..., seed: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., settings: _Optional[_Union[SamplingSettings, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[int]] = ..., prompt_mask: _Optional[_Iterable[bool]] = ..., completion_mask: _Optional[_Iterable[bool]] = ..., action_steps: _Optional[_Iterable[int]] = ..., action_logps: _Optional[_Iterable[float]] = ..., forwards: _Optional[int] = ..., decision_logps: _Optional[_Iterable[float]] = ..., forced: _Optional[_Iterable[bool]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., completion_text: _Optional[str] = ...) -> None: ...

@@ -16,7 +16,7 @@ import numpy as np
 
 from distill.diffusion.denoise import SamplingSettings
 from distill.diffusion.replay import TraceError
-from distill.opd.records import SLOT_FIELDS, RolloutBatch
+from distill.opd.records import PLANNER_FIELDS, SLOT_FIELDS, RolloutBatch, slot_fields
 from services.proto import rollout_pb2
 
 _SETTINGS_STRINGS = ("alignment", "commit_rule", "confidence", "strategy")
@@ -68,8 +68,9 @@ def rows_to_proto(
             completion_ids=list(completions[index]) if completions else [],
             completion_text=texts[index] if texts else "",
         )
-        for name in SLOT_FIELDS:
-            getattr(message, name).extend(np.asarray(batch.slots[name][index]).tolist())
+        for name in slot_fields(batch.settings):
+            # decision_logps [L, K] travels flattened row-major.
+            getattr(message, name).extend(np.asarray(batch.slots[name][index]).ravel().tolist())
         rows.append(message)
     return rows
 
@@ -95,6 +96,24 @@ def _row_batch(index: int, message: rollout_pb2.TraceRow) -> RolloutBatch:
             raise _row_error(index, name, "be >= 0 (block_size >= 1)", getattr(message, name))
     try:
         settings = settings_from_proto(message.settings)
+    except (TypeError, ValueError) as error:
+        raise TraceError(f"`rows[{index}]`: {error}") from None
+    planner = settings.commit_rule == "planner"
+    for name, dtype in PLANNER_FIELDS.items():
+        values = getattr(message, name)
+        width = int(message.block_size) if name == "decision_logps" else 1
+        wanted = length * width if planner else 0
+        if len(values) != wanted:
+            raise _row_error(
+                index,
+                name,
+                f"have {wanted} entries for commit_rule {settings.commit_rule!r}",
+                len(values),
+            )
+        if planner:
+            shape = (1, length, width) if name == "decision_logps" else (1, length)
+            slots[name] = np.asarray(values, dtype).reshape(shape)
+    try:
         return RolloutBatch(
             step=int(message.step),
             policy_version=int(message.policy_version),
@@ -141,6 +160,6 @@ def concat_rows(rows: Sequence[RolloutBatch]) -> RolloutBatch:
         first,
         row_ids=np.concatenate([row.row_ids for row in rows]),
         stream_positions=np.concatenate([row.stream_positions for row in rows]),
-        slots={name: np.concatenate([row.slots[name] for row in rows]) for name in SLOT_FIELDS},
+        slots={name: np.concatenate([row.slots[name] for row in rows]) for name in first.slots},
         forwards=np.concatenate([row.forwards for row in rows]),
     )
