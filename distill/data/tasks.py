@@ -22,6 +22,11 @@ accepts any of them, and nothing is stripped or normalised before the comparison
 is not one of the task's own raises :class:`DataError` naming `prompt`: that is a caller bug, not a
 wrong completion.
 
+Only ``sudoku`` caps ``length``: the long specs of ``deploy/configs/long-tasks.yaml`` (copy,
+reverse, sort and addition at 16-32, answers of 16-33 characters) and ``agree16.yaml`` (16
+letters) are the same tasks at larger lengths. :func:`max_sequence_length` bounds a stream's
+encoded rows, so a config can check that its models hold them.
+
 ``agree`` is the research note's probe: the ``k`` positions must hold the same symbol, but which
 of the :data:`AGREE_SYMBOLS` is free, so sampling the positions independently in parallel fails.
 """
@@ -50,6 +55,7 @@ __all__ = [
     "SudokuTask",
     "Task",
     "get_task",
+    "max_sequence_length",
     "task_for_prompt",
     "verify",
 ]
@@ -104,6 +110,10 @@ class Task(Protocol):
         """The longest reference answer at ``length`` (sizes the static completion horizon)."""
         ...
 
+    def max_prompt_length(self, length: int) -> int:
+        """The longest prompt at ``length``, in characters (sizes the model's sequence)."""
+        ...
+
     def verify(self, prompt: str, completion: str) -> bool:
         """Exactly judge ``completion`` (cut before the stop token) for ``prompt``."""
         ...
@@ -151,6 +161,9 @@ class _LetterTask:
 
     def max_answer_length(self, length: int) -> int:
         return length
+
+    def max_prompt_length(self, length: int) -> int:
+        return len(self.prefix) + 1 + length + len(SEPARATOR)
 
     def verify(self, prompt: str, completion: str) -> bool:
         body = _body(self, prompt)
@@ -219,6 +232,9 @@ class AdditionTask:
     def max_answer_length(self, length: int) -> int:
         return length + 1
 
+    def max_prompt_length(self, length: int) -> int:
+        return len(self.prefix) + 1 + 2 * length + 1 + len(SEPARATOR)
+
     def verify(self, prompt: str, completion: str) -> bool:
         match = self._body_re.fullmatch(_body(self, prompt))
         if match is None:
@@ -247,6 +263,9 @@ class AgreeTask:
 
     def max_answer_length(self, length: int) -> int:
         return length
+
+    def max_prompt_length(self, length: int) -> int:
+        return len(self.prefix) + 1 + len(str(length)) + len(SEPARATOR)
 
     def verify(self, prompt: str, completion: str) -> bool:
         body = _body(self, prompt)
@@ -353,6 +372,9 @@ class SudokuTask:
     def max_answer_length(self, length: int) -> int:
         return 19  # four rows of four digits and three commas
 
+    def max_prompt_length(self, length: int) -> int:
+        return len(self.prefix) + 1 + 19 + len(SEPARATOR)
+
     def verify(self, prompt: str, completion: str) -> bool:
         givens = self.givens(prompt)
         if not (isinstance(completion, str) and self._answer_re.fullmatch(completion)):
@@ -413,6 +435,30 @@ def verify(item: Example | tuple[str | Task, str] | str, completion: str) -> boo
 def answer_horizon(tasks: Sequence[str], max_length: int) -> int:
     """Completion slots needed for any answer of ``tasks`` up to ``max_length`` plus a stop."""
     return 1 + max(get_task(name).max_answer_length(max_length) for name in tasks)
+
+
+def max_sequence_length(tasks: Sequence[str], min_length: int, max_length: int) -> int:
+    """The longest encoded row of a stream over ``tasks`` with lengths in
+    ``[min_length, max_length]`` under a character tokenizer (one id per character): bos,
+    the longest prompt, the longest answer and one stop id. A model whose ``max_length`` is
+    below it cannot hold every row. Raises :class:`DataError` naming the field."""
+    if isinstance(tasks, str) or not isinstance(tasks, Sequence) or not tasks:
+        raise _error("tasks", "be a non-empty sequence of task names", tasks)
+    for field, value in (("min_length", min_length), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise _error(field, "be an int >= 1", value)
+    if min_length > max_length:
+        raise _error("min_length", f"be <= max_length={max_length}", min_length)
+    longest = 0
+    for name in tasks:
+        task = get_task(name, "tasks")
+        _check_length(task, max_length)
+        # Every length in the range, not only the largest: a prompt's digit count (agree) and
+        # an answer's carry (addition) grow with length, but nothing promises monotonicity.
+        for length in range(max(min_length, task.min_length), max_length + 1):
+            row = 1 + task.max_prompt_length(length) + task.max_answer_length(length) + 1
+            longest = max(longest, row)
+    return longest
 
 
 def check_position(position: object, limit: int | None) -> int:

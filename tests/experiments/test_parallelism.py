@@ -1,0 +1,163 @@
+"""The accuracy-vs-parallelism experiment (``distill.experiments.parallelism``): its grid
+and configuration, and a one-cell run with a handful of steps that is resumed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distill.experiments import parallelism as experiment
+
+TINY = (
+    "teacher.d_model=32",
+    "teacher.d_ff=64",
+    "student.d_model=32",
+    "student.d_ff=64",
+    "data.batch_size=4",
+)
+CONFIG = experiment.ExperimentConfig(
+    warmup_steps=2,
+    opd_steps=2,
+    teacher_steps=2,
+    checkpoint_every=1,
+    eval_prompts=2,
+    samples=2,
+    ks=(1, 16),
+    thresholds=(0.9,),
+    overrides=TINY,
+)
+CELL = "agree16__mdlm__reverse_kl+mean_to_go__seed0"
+GRID = {
+    "tasks": ["agree16"],
+    "objectives": ["mdlm"],
+    "losses": ["reverse_kl+mean_to_go"],
+    "seeds": [0],
+}
+
+
+def test_the_grid_names_the_issue_objectives_and_losses():
+    assert set(experiment.OBJECTIVES) == {"mdlm", "self_corrupted", "coordination", "cmd"}
+    assert list(experiment.LOSS_VARIANTS) == [
+        "none",
+        "reverse_kl+mean_to_go",
+        "reverse_kl+sequence",
+        "forward_kl",
+        "jsd",
+    ]
+    assert {"agree16", "copy", "reverse", "sort", "addition"} <= set(experiment.TASK_SPECS)
+    with pytest.raises(experiment.ExperimentError, match="`variant.name` must not be"):
+        experiment.register_loss_variant(experiment.LOSS_VARIANTS["none"])
+
+
+def test_a_cell_job_applies_the_objective_loss_seed_and_steps():
+    job = experiment.cell_job("reverse", "cmd", "reverse_kl+sequence", 2, CONFIG)
+    assert job.data.tasks == ("reverse",) and (job.data.min_length, job.data.max_length) == (16, 32)
+    assert (job.objective.kind, job.loss.kind, job.loss.advantage) == (
+        "cmd",
+        "reverse_kl",
+        "sequence",
+    )
+    assert (job.seed, job.student_warmup.steps, job.opd.steps) == (2, 2, 2)
+    assert job.student.d_model == 32
+    assert experiment.cell_job("agree16", "mdlm", "jsd", 0, CONFIG).loss.kind == "jsd"
+    with pytest.raises(experiment.ExperimentError, match="`losses` must name"):
+        experiment.cell_job("agree16", "mdlm", "planner", 0, CONFIG)
+
+
+def test_config_is_validated():
+    with pytest.raises(experiment.ExperimentError, match="`ks` must"):
+        experiment.ExperimentConfig(ks=(0,))
+    with pytest.raises(experiment.ExperimentError, match="`thresholds` must"):
+        experiment.ExperimentConfig(thresholds=(1.5,))
+    with pytest.raises(experiment.ExperimentError, match="`opd_steps` must"):
+        experiment.ExperimentConfig(opd_steps=0)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("parallelism")
+    cells = experiment.run(CONFIG, run_dir, progress=False, log=lambda message: None, **GRID)
+    return run_dir, cells
+
+
+@pytest.mark.slow
+def test_a_one_cell_grid_writes_its_cell_and_the_report(finished):
+    run_dir, cells = finished
+    record = json.loads((run_dir / "cells" / f"{CELL}.json").read_text())
+    assert cells == {CELL: record}
+    assert record["cell"] == {
+        "task": "agree16",
+        "objective": "mdlm",
+        "loss": "reverse_kl+mean_to_go",
+        "seed": 0,
+    }
+    assert [(p["rule"], p["setting"]) for p in record["points"]] == [
+        ("schedule", 1),
+        ("schedule", 16),
+        ("threshold", 0.9),
+    ]
+    one, sixteen = record["points"][0], record["points"][1]
+    assert one["tokens_per_forward"] == 1.0 and sixteen["tokens_per_forward"] > 4.0
+    assert one["count"] == 4 and one["distinct_fraction"] is not None
+    assert record["teacher"]["tokens_per_forward"] == 1.0
+    assert [entry["step"] for entry in record["opd_evaluations"]] == [0, 2]
+    text = (run_dir / "report.md").read_text()
+    for needle in (
+        "## agree16",
+        "teacher (causal)",
+        "mdlm + reverse_kl+mean_to_go",
+        "AUP sched.",
+        "k=16",
+        "τ=0.9",
+        "plot-agree16.png",
+        "--tasks agree16 --objectives mdlm --losses reverse_kl+mean_to_go --seeds 0 "
+        "--warmup-steps 2 --opd-steps 2 --teacher-steps 2",
+        "--set student.d_model=32",
+    ):
+        assert needle in text
+    assert (run_dir / "plot-agree16.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_second_invocation_reuses_the_finished_cell(finished):
+    run_dir, cells = finished
+    path = run_dir / "cells" / f"{CELL}.json"
+    before = path.stat().st_mtime_ns
+    said: list[str] = []
+    again = experiment.run(CONFIG, run_dir, progress=False, log=said.append, **GRID)
+    assert again == cells and path.stat().st_mtime_ns == before
+    assert f"reusing {path}" in said
+
+
+@pytest.mark.slow
+def test_an_interrupted_cell_is_recomputed_from_its_checkpoints_identically(finished):
+    run_dir, cells = finished
+    (run_dir / "cells" / f"{CELL}.json").unlink()  # as if stopped before the cell was written
+    said: list[str] = []
+    again = experiment.run(CONFIG, run_dir, progress=False, log=said.append, **GRID)
+    assert again == cells
+    # nothing was retrained: the OPD run was restored at its last step
+    assert any("at step 2" in message for message in said)
+
+
+def test_a_run_directory_refuses_other_step_counts(tmp_path):
+    (tmp_path / "experiment.json").write_text(
+        json.dumps({"format": experiment.FORMAT, "config": CONFIG.to_dict()})
+    )
+    other = experiment.ExperimentConfig(
+        **{
+            **CONFIG.to_dict(),
+            "opd_steps": 3,
+            "ks": (1, 16),
+            "thresholds": (0.9,),
+            "overrides": TINY,
+        }
+    )
+    with pytest.raises(experiment.ExperimentError, match="opd_steps: 2 -> 3"):
+        experiment.run(other, tmp_path, progress=False, **GRID)
+
+
+def test_the_command_line_refuses_an_unknown_loss(tmp_path, capsys):
+    assert experiment.main(["--run-dir", str(tmp_path), "--losses", "planner"]) == 2
+    assert "`losses` must name" in capsys.readouterr().err
