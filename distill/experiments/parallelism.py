@@ -45,10 +45,17 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, get_args
+
+from distill.experiments.run_dir import (
+    ExperimentError,
+    check_run_dir,
+    read_json,
+    write_json,
+)
+from distill.experiments.run_dir import error as _error
 
 __all__ = [
     "LOSS_VARIANTS",
@@ -69,14 +76,6 @@ FORMAT = "distill.experiments.parallelism/v1"
 ROOT = Path(__file__).resolve().parents[2]
 
 Log = Callable[[str], None]
-
-
-class ExperimentError(ValueError):
-    """An invalid experiment configuration or run directory ("`field` must ...; received ...")."""
-
-
-def _error(field: str, must: str, received: Any) -> ExperimentError:
-    return ExperimentError(f"`{field}` must {must}; received {received!r}")
 
 
 # ---- the grid's axes -------------------------------------------------------------------------
@@ -252,40 +251,6 @@ def cell_job(spec: str, objective: str, loss: str, seed: int, config: Experiment
 # ---- files -----------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _write_json(path: Path, value: Any) -> None:
-    """Atomic write: an interrupted run never leaves a partial cell."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as out:
-        json.dump(value, out, indent=2, sort_keys=True)
-    os.replace(out.name, path)
-
-
-def _check_run_dir(run_dir: Path, config: ExperimentConfig) -> None:
-    path = run_dir / "experiment.json"
-    wanted = {"format": FORMAT, "config": config.to_dict()}
-    stored = _read_json(path)
-    if stored is None:
-        _write_json(path, wanted)
-        return
-    if stored.get("format") != FORMAT:
-        raise _error("run_dir", f"hold a {FORMAT} run", stored.get("format"))
-    differing = sorted(
-        key
-        for key in set(stored["config"]) | set(wanted["config"])
-        if stored["config"].get(key) != wanted["config"].get(key)
-    )
-    if differing:
-        details = ", ".join(
-            f"{key}: {stored['config'].get(key)!r} -> {wanted['config'].get(key)!r}"
-            for key in differing
-        )
-        raise _error("config", f"equal the run's ({path})", details)
-
-
 def cell_name(spec: str, objective: str, loss: str, seed: int) -> str:
     return f"{spec}__{objective}__{loss}__seed{seed}"
 
@@ -323,7 +288,7 @@ class _Phases:
             else:
                 model, _ = train_teacher(job, directory, progress=False, log=self.log)
             path = directory / "experiment-eval.json"
-            record = _read_json(path)
+            record = read_json(path)
             if record is None:
                 report = evaluate_teacher(
                     model,
@@ -334,7 +299,7 @@ class _Phases:
                     samples_per_prompt=self.config.samples,
                 )
                 record = report.to_dict()
-                _write_json(path, record)
+                write_json(path, record)
             self._teachers[key] = (model, record)
         return self._teachers[key]
 
@@ -437,7 +402,7 @@ def run(
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise _error("seeds", "be ints >= 0", list(seeds))
     run_dir = Path(run_dir)
-    _check_run_dir(run_dir, config)
+    check_run_dir(run_dir, FORMAT, config.to_dict())
     grid = [
         (spec, objective, loss, seed)
         for spec in tasks
@@ -457,7 +422,7 @@ def run(
         if path.is_file():
             say(f"reusing {path}")
             continue
-        _write_json(path, run_cell(phases, *cell))
+        write_json(path, run_cell(phases, *cell))
         say(f"wrote {path}")
     cells = load_cells(run_dir)
     (run_dir / "report.md").write_text(report(cells, run_dir, config))

@@ -67,13 +67,20 @@ import math
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from distill.experiments.run_dir import (
+    ExperimentError,
+    check_run_dir,
+    read_json,
+    write_json,
+)
+from distill.experiments.run_dir import error as _error
 
 __all__ = [
     "CANDIDATE_TASKS",
@@ -94,14 +101,6 @@ EVAL_PLAY_EVERY = 8
 EVAL_ITEM_EVERY = 4
 
 Log = Callable[[str], None]
-
-
-class ExperimentError(ValueError):
-    """An invalid experiment configuration or run directory ("`field` must ...; received ...")."""
-
-
-def _error(field: str, must: str, received: Any) -> ExperimentError:
-    return ExperimentError(f"`{field}` must {must}; received {received!r}")
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -747,7 +746,7 @@ def run_opd_phase(
         log=log,
     )
     record_path = run_dir / "opd_steps.json"
-    record = _read_json(record_path) or {"steps": {}}
+    record = read_json(record_path) or {"steps": {}}
     try:
         if learner.step == 0:
             learner.evaluate()
@@ -759,9 +758,9 @@ def run_opd_phase(
             record["steps"][str(step)] = metrics | {"seconds": seconds}
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", s=f"{seconds:.0f}")
             if learner.step % config.checkpoint_every == 0 or learner.step == config.steps:
-                _write_json(record_path, record)  # what the checkpoint holds, no more
+                write_json(record_path, record)  # what the checkpoint holds, no more
         record["evaluations"] = [[at, report.to_dict()] for at, report in learner.reports]
-        _write_json(record_path, record)
+        write_json(record_path, record)
     finally:
         learner.close()
     return record
@@ -793,47 +792,13 @@ def restore_opd_student(
 # ---- the run ---------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _write_json(path: Path, value: Any) -> None:
-    """Atomic write (a crash never leaves a partial file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as out:
-        json.dump(value, out, indent=2, sort_keys=True)
-    os.replace(out.name, path)
-
-
-def _check_run_dir(run_dir: Path, config: ExperimentConfig) -> None:
-    path = run_dir / "experiment.json"
-    wanted = {"format": FORMAT, "config": config.to_dict()}
-    stored = _read_json(path)
-    if stored is None:
-        _write_json(path, wanted)
-        return
-    if stored.get("format") != FORMAT:
-        raise _error("run_dir", f"hold a {FORMAT} run", stored.get("format"))
-    differing = sorted(
-        key
-        for key in set(stored["config"]) | set(wanted["config"])
-        if stored["config"].get(key) != wanted["config"].get(key)
-    )
-    if differing:
-        details = ", ".join(
-            f"{key}: {stored['config'].get(key)!r} -> {wanted['config'].get(key)!r}"
-            for key in differing
-        )
-        raise _error("config", f"equal the run's ({run_dir / 'experiment.json'})", details)
-
-
 def _cached(path: Path, compute: Callable[[], Any], log: Log) -> Any:
-    value = _read_json(path)
+    value = read_json(path)
     if value is not None:
         log(f"reusing {path}")
         return value
     value = compute()
-    _write_json(path, value)
+    write_json(path, value)
     return value
 
 
@@ -852,7 +817,7 @@ def run(
     from distill.teacher import InProcessTeacher, ScoreShapes
 
     run_dir = Path(run_dir)
-    _check_run_dir(run_dir, config)
+    check_run_dir(run_dir, FORMAT, config.to_dict())
     started = time.perf_counter()
     path = gguf.resolve_gguf(config.gguf)
     teacher, checkpoint = gguf.load_teacher(path)
@@ -922,7 +887,7 @@ def run(
         )
     # 4. OPD
     after_files = [evals / f"after-k{k}.json" for k in config.ks]
-    record = _read_json(run_dir / "opd_steps.json")
+    record = read_json(run_dir / "opd_steps.json")
     if record is None or len(record["steps"]) < config.steps or "evaluations" not in record:
         record = run_opd_phase(
             config, run_dir, student, scorer, teacher, source, progress=progress, log=log
@@ -950,7 +915,7 @@ def run(
         "steps": len(seconds),
     }
     results["machine"] = {"cpus": os.cpu_count(), "devices": [str(d) for d in jax.devices()]}
-    _write_json(run_dir / "results.json", results)
+    write_json(run_dir / "results.json", results)
     (run_dir / "report.md").write_text(report(results))
     log(f"wrote {run_dir / 'report.md'}")
     return results
