@@ -81,6 +81,10 @@ def start_ray(address: str | None, cluster: ClusterConfig, temp_dir: str | Path 
         Path(temp_dir).mkdir(parents=True, exist_ok=True)
         kwargs["_temp_dir"] = str(Path(temp_dir).absolute())
     ray.init(
+        # "local": a new embedded instance. Without it ray.init() joins the cluster last
+        # started with `ray start` on this machine (/tmp/ray/ray_current_cluster), even one
+        # stopped since, which took down a test process that ran after a Jobs API test.
+        address="local",
         num_cpus=max(int(logical_cpus(cluster) + 0.999), os.cpu_count() or 1),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
