@@ -17,17 +17,11 @@ from distill.diffusion import replay
 from distill.diffusion.denoise import SamplingSettings, rollout
 from distill.evaluate import at_parallelism, evaluate_student
 from distill.models.transformer import Transformer
-from distill.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.slow  # two rollouts, a replay and an evaluation compile at 33 slots
 
 BLOCK = 16
 COMPLETION = 33  # 32 answer tokens and the stop token
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return CharTokenizer()
 
 
 @pytest.fixture(scope="module")
