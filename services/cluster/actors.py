@@ -401,16 +401,23 @@ class _SliceHost:
     """One host of a role placed on a TPU slice (``cluster.<role>.slice``; see
     :func:`services.cluster.tpu.place_slice`): mixed in before the role's class.
 
-    Every host joins the role's ``jax.distributed`` world in its constructor
-    (:func:`services.cluster.tpu.join_world`: process id = the host's TPU worker id,
-    worker 0 the coordinator) and brings the TPU backend up. Host 0 is the role's endpoint:
-    it alone builds the role (its gRPC server, its Ray methods) and the driver and the other
-    roles talk only to it. The role's program is still single-process: host 0 runs it on its
-    own first chip, unsharded; the other hosts are members of the world that hold their
-    chips and wait (:meth:`hold`) -- nothing is sharded across the slice's hosts yet. Code
-    that synchronizes the whole world (Orbax's checkpoint manager does) would wait for hosts
-    that never come, which is why the job config allows the teacher and the learner only
-    single-host slices (a one-process world)."""
+    What runs where, on a slice of n hosts:
+
+    - every host joins the role's ``jax.distributed`` world in its constructor
+      (:func:`services.cluster.tpu.join_world`: process id = the host's TPU worker id,
+      worker 0 the coordinator) and brings the backend up; that is the only step the whole
+      world takes together;
+    - host 0 is the role's endpoint: it alone builds the role (the teacher's gRPC server,
+      the learner, the rollout worker) and runs it as a single-process program on its own
+      local devices (the first one, unsharded), and the driver and the other roles talk
+      only to it;
+    - hosts 1..n-1 build nothing: they hold their chips and wait (:meth:`hold`), which the
+      driver watches so a host that dies ends the job naming it (a rollout slice's is
+      dropped instead, the job going on with the other slices);
+    - checkpoints (the learner's, and the runs the teacher and the student are loaded
+      from) are read and written by process 0 alone
+      (:func:`distill.checkpoint.set_checkpoint_processes`), so Orbax never waits for the
+      holding hosts. Nothing is sharded across the slice's hosts."""
 
     def __init__(self, job: dict[str, Any], *args: Any, **kwargs: Any):
         from services.cluster.tpu import join_world
@@ -420,6 +427,12 @@ class _SliceHost:
         self.endpoint = self.world["process_id"] == 0
         self._held = threading.Event()
         if self.endpoint:
+            if self.world["num_processes"] > 1:
+                from distill.checkpoint import set_checkpoint_processes
+
+                # Before the role opens any run: Orbax synchronizes the processes a
+                # checkpointer names, and the other hosts never open one.
+                set_checkpoint_processes({0})
             super().__init__(job, *args, **kwargs)
 
     def world_info(self) -> dict[str, Any]:
@@ -442,7 +455,8 @@ class _SliceHost:
 
     def hold(self) -> None:
         """Return only when :meth:`release_hold` is called: the driver watches this call on
-        every host but the endpoint, so a host that dies ends the job naming it."""
+        every host but the endpoint, so a host that dies ends the job naming it (or, on a
+        rollout slice, drops the slice)."""
         while not self._held.wait(60.0):
             pass
 

@@ -382,7 +382,8 @@ def place_slice(
     (a plain class or a ``ray.remote`` one) per host, constructed with ``*args, **kwargs``;
     see the module docstring. Each actor asks for the host's chips (``TPU``) and
     ``num_cpus``; ``options`` are further ``.options(...)`` keywords (e.g. ``max_concurrency``,
-    ``runtime_env``: its ``env_vars`` are kept, the identity variables added).
+    ``runtime_env``: its ``env_vars`` are kept, the identity variables added; ``name``: host
+    0's Ray name, the other hosts get ``<name>-host-<i>``).
     ``coordinator_port``: worker 0's coordination port (``None``: the request's).
     ``jax_platforms``: the actors' ``JAX_PLATFORMS`` (``tpu`` unless ``options`` set one;
     ``None``: leave it alone), so a ``JAX_PLATFORMS=cpu`` the driver or the job's runtime
@@ -450,6 +451,10 @@ def place_slice(
         remote_class = actor_class if hasattr(actor_class, "options") else ray.remote(actor_class)
         for worker, member in enumerate(members):
             actor_options = dict(options or {})
+            name = actor_options.pop("name", None)
+            if name is not None:
+                # Host 0 is the role (it answers to the role's name); the others its hosts.
+                actor_options["name"] = name if worker == 0 else f"{name}-host-{worker}"
             runtime_env = dict(actor_options.pop("runtime_env", None) or {})
             platforms = {} if jax_platforms is None else {"JAX_PLATFORMS": jax_platforms}
             runtime_env["env_vars"] = {

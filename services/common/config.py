@@ -218,9 +218,6 @@ class RoleConfig(ConfigModel):
         return self
 
 
-_SINGLE_HOST_EXAMPLE = {"v5e": "2x4", "v6e": "2x4"}
-
-
 class ClusterConfig(ConfigModel):
     """The ``cluster:`` section of a job: where its actors go and how long anything may take.
 
@@ -237,9 +234,9 @@ class ClusterConfig(ConfigModel):
     ``watchdog_s``: the job fails when no training step completes for this long, naming the
     stage that stalled (``rollout``, ``teacher`` or ``learner``); ``None`` turns it off.
     ``record_traces``: the learner keeps every trained rollout in ``RUN/opd/traces/``.
-    A ``slice`` of the teacher or the learner must be a single-host one for now (their
-    single-process program checkpoints with Orbax, which synchronizes every process of the
-    world); a rollout worker group may be a multi-host slice (docs/tpu-placement.md).
+    Any role may be placed on multi-host slices: host 0 runs the role and checkpoints alone,
+    the other hosts hold (:class:`services.cluster.actors.LearnerSliceHost`,
+    docs/tpu-placement.md).
     """
 
     section: ClassVar[str] = "cluster"
@@ -268,19 +265,6 @@ class ClusterConfig(ConfigModel):
                 "from its newest checkpoint)",
                 self.learner.max_restarts,
             )
-        for name in ("teacher", "learner"):
-            request = getattr(self, name).slice
-            if request is not None and request.hosts > 1:
-                raise config_error(
-                    f"{name}.slice",
-                    f"be a single-host slice for now (e.g. {request.accelerator_type} "
-                    f"{_SINGLE_HOST_EXAMPLE.get(request.accelerator_type, '2x2x1')}): the "
-                    f"{name} runs on host 0 of its jax.distributed world only, and its Orbax "
-                    "checkpoints synchronize every process of the world, so the other hosts "
-                    f"would hang it; {request.describe()} has {request.hosts} hosts "
-                    "(multi-host slices are for `rollout`)",
-                    request.topology,
-                )
         if self.token_file is None and not is_loopback(self.host):
             raise config_error(
                 "token_file",

@@ -11,9 +11,12 @@
    replica or rollout worker whose process died (``cluster.<role>.max_restarts``; the
    replica serves again on its address, the worker's lost shard is handed out again); an
    actor gone for good, or the learner, ends the job with an error naming it -- except a
-   rollout worker (or a rollout slice's host) whose actor died for good while others remain
-   (its node or slice was preempted): the job goes on with the survivors, the learner hands
-   the lost worker's shard out again at once, and the result names what was lost; a step that
+   rollout worker whose actor died for good while others remain (its node was preempted),
+   or any host of a rollout slice (the slice was preempted; a host of the teacher's or the
+   learner's slice still ends the job): the driver frees what is left of it (its other host
+   actors and the slice's reservation), the learner hands its shard out again at once, the
+   job goes on with the survivors, and the result names what was lost (for a slice: its name
+   and pod type); a step that
    waits longer than ``cluster.step_timeout_s`` for its rollouts fails naming the missing
    rows; and when no step completes for ``cluster.watchdog_s`` the job fails naming the
    stage that stalled (rollout, teacher or learner) instead of hanging.
@@ -21,6 +24,9 @@
 A role with ``cluster.<role>.slice`` set is placed on whole TPU slices instead (one slice
 per teacher replica, per rollout worker group, and for the learner; :func:`place_role`):
 one host actor per host, all one ``jax.distributed`` world, host 0 the role's endpoint.
+A rollout slice that lost a host is not placed again: its world cannot be rejoined, so a
+new world on a new slice would be needed, and a preempted slice's capacity is rarely back
+within a job; the job finishes on the others, and a rerun places the full count again.
 
 The driver imports neither JAX nor the model code: actors do, in their own processes.
 Rerunning the same command resumes: finished phases are reused, OPD continues from its
@@ -106,7 +112,9 @@ class Watchdog:
 class JobResult:
     """What a finished job reports: per-step metrics of this run, the OPD evaluations
     (including earlier runs'), the learner's final status, the actors placed and the rollout
-    workers lost on the way (``"rollout worker 1: <why>"``; the job went on without them)."""
+    workers lost on the way (``"rollout worker 1: <why>"``; on a slice ``"rollout worker 1:
+    host 1 of TPU slice 'name' (pod type v4-16) died: <why>"``; the job went on without
+    them)."""
 
     run_dir: Path
     history: list[dict[str, float]]
@@ -127,6 +135,12 @@ class PlacedActor:
     endpoint: Any
     hosts: list[Any]
     group: Any = None
+
+    def where(self) -> str:
+        """The slice it holds, as a message names it (``""`` off slices)."""
+        if self.group is None:
+            return ""
+        return f"TPU slice {self.group.slice_name!r} (pod type {self.group.request.pod_type})"
 
     def release(self) -> None:
         import ray
@@ -168,9 +182,10 @@ def place_role(
     Without ``config.slice``: one single-process actor with the role's resources, named
     :func:`actor_name`, returned at once (its ``start`` is waited for by the caller).
     With it: one whole slice (:func:`services.cluster.tpu.place_slice`), one
-    :data:`SLICE_CLASSES` host actor per host with ``JAX_PLATFORMS=jax_platforms``, returned
-    once every host has joined the world; :class:`JobFailed` naming the label, accelerator
-    type and topology when that does not happen within ``start_timeout_s``."""
+    :data:`SLICE_CLASSES` host actor per host with ``JAX_PLATFORMS=jax_platforms`` (host 0
+    named :func:`actor_name`, host i that name plus ``-host-i``), returned once every host
+    has joined the world; :class:`JobFailed` naming the label, accelerator type and topology
+    when that does not happen within ``start_timeout_s``."""
     import ray
 
     from services.cluster.tpu import SlicePlacementError, place_slice
@@ -179,13 +194,13 @@ def place_role(
         config,
         max_concurrency=max_concurrency,
         max_restarts=config.restarts(role),
-        name=None if config.slice is not None else actor_name(run_dir, label),
+        name=actor_name(run_dir, label),
     )
     if config.slice is None:
         actor = ray.remote(PLAIN_CLASSES[role]).options(**options).remote(*args, **(kwargs or {}))
         return PlacedActor(endpoint=actor, hosts=[])
     slice_options = {
-        key: options[key] for key in ("max_concurrency", "max_restarts", "runtime_env")
+        key: options[key] for key in ("max_concurrency", "max_restarts", "runtime_env", "name")
     }
     try:
         group = place_slice(
@@ -206,6 +221,11 @@ def place_role(
             f"placing {label} on a TPU slice ({config.slice.describe()}) failed: {_reason(error)}"
         ) from error
     return PlacedActor(endpoint=group.actors[0], hosts=group.actors[1:], group=group)
+
+
+def _log_slice(log: Log, label: str, placed: PlacedActor) -> None:
+    if placed.group is not None:
+        log(f"== {label} on {placed.where()}: {len(placed.group.actors)} host(s)")
 
 
 def _holds(placed: PlacedActor, label: str) -> dict[Any, str]:
@@ -257,8 +277,11 @@ def run_job(
     ray_temp_dir: str | Path | None = None,
     progress: bool = True,
     log: Log = print,
+    jax_platforms: str = "tpu",
 ) -> JobResult:
-    """Run (or resume) ``job`` in ``run_dir`` on Ray (module docstring)."""
+    """Run (or resume) ``job`` in ``run_dir`` on Ray (module docstring). ``jax_platforms``:
+    the ``JAX_PLATFORMS`` of the roles placed on TPU slices (``cpu`` for nodes that only
+    advertise TPUs, as in the tests)."""
     import ray
 
     run_dir = Path(run_dir).absolute()
@@ -297,9 +320,11 @@ def run_job(
                     ),
                     max_concurrency=4,
                     start_timeout_s=cluster.start_timeout_s,
+                    jax_platforms=jax_platforms,
                 )
             )
             placed.append(teachers[-1])
+            _log_slice(log, f"teacher-{index}", teachers[-1])
         replicas = [teacher.endpoint for teacher in teachers]
         addresses = [
             _wait(
@@ -325,8 +350,10 @@ def run_job(
             },
             max_concurrency=16,
             start_timeout_s=cluster.start_timeout_s,
+            jax_platforms=jax_platforms,
         )
         placed.append(learner_placed)
+        _log_slice(log, "learner", learner_placed)
         learner = learner_placed.endpoint
         started = _wait(learner.start.remote(), cluster.start_timeout_s, "the learner to start")
         log(f"== learner serving on {started['address']}, starting at step {started['step']}")
@@ -349,9 +376,11 @@ def run_job(
                     },
                     max_concurrency=2,
                     start_timeout_s=cluster.start_timeout_s,
+                    jax_platforms=jax_platforms,
                 )
             )
             placed.append(groups[-1])
+            _log_slice(log, f"rollout-{index}", groups[-1])
         workers = [group.endpoint for group in groups]
         runs = {
             worker.run.remote(): f"rollout worker {index}" for index, worker in enumerate(workers)
@@ -485,6 +514,44 @@ def _rollout_owner(name: str, rollout: dict[str, Any]) -> str | None:
     return None
 
 
+#: How long a failed rollout slice worker waits for Ray to report a dead host of its slice
+#: (Ray's node health checks take about 15 s to declare a vanished node dead).
+HOST_DEATH_WAIT_S = 30.0
+
+
+def _dead_host(
+    owner: str, pending: dict, wait_s: float = HOST_DEATH_WAIT_S
+) -> tuple[str, BaseException] | None:
+    """A host of rollout worker ``owner``'s slice whose watched ``hold`` (in ``pending``)
+    fails with the actor's death within ``wait_s``: ``(its name, the error)``, taken out of
+    ``pending``; ``None`` when none does (or ``owner`` has no slice)."""
+    import ray
+
+    holds = [ref for ref, name in pending.items() if name.startswith(f"{owner} host ")]
+    deadline = time.monotonic() + wait_s
+    while holds:
+        ready, holds = ray.wait(holds, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as error:
+            return pending.pop(ready[0]), error
+        except Exception:
+            continue
+    return None
+
+
+def _why_lost(name: str, owner: str, placed: PlacedActor, error: BaseException) -> str:
+    """Why rollout worker ``owner`` is lost, given that its watched call ``name`` (its run,
+    or ``"<owner> host <i>"``: a host of its slice) failed with ``error``; on a slice, which
+    host of which slice died."""
+    if placed.group is None:
+        return _reason(error)
+    host = name.removeprefix(owner).strip() or "host 0 (its endpoint)"
+    return f"{host} of {placed.where()} died: {_reason(error)}"
+
+
 def _supervise(
     learner,
     runs: dict,
@@ -534,17 +601,21 @@ def _supervise(
                     # A dead learner fails its workers' calls too: name the cause.
                     _raise_if_learner_failed(run, run_dir=run_dir)
                     owner = _rollout_owner(name, rollout)
+                    if owner is not None and not isinstance(error, ray.exceptions.RayActorError):
+                        # A slice's worker may fail in its broken world before the driver
+                        # sees the host that died: that host is then what was lost.
+                        name, error = _dead_host(owner, pending) or (name, error)
                     if owner is None or not isinstance(error, ray.exceptions.RayActorError):
                         raise JobFailed(f"{name} failed: {_reason(error)}") from error
-                    lost.append(f"{name}: {_reason(error)}")
+                    why = _why_lost(name, owner, rollout[owner][1], error)
+                    lost.append(f"{owner}: {why}")
                     _drop_rollout_worker(learner, owner, rollout, pending)
                     if not rollout:
                         raise JobFailed(
                             "every rollout worker is gone: " + "; ".join(lost)
                         ) from error
                     log(
-                        f"== {name} is gone ({_reason(error)}); going on with "
-                        f"{len(rollout)} rollout worker(s)"
+                        f"== {owner} is gone ({why}); going on with {len(rollout)} rollout worker(s)"
                     )
                     continue
                 if " host " in name:

@@ -18,7 +18,7 @@ second delivery is refused, so every row trains exactly once. A worker works on 
 a time, so one that asks for work while still holding a shard has lost it (it was restarted
 after a crash): that shard goes back to the queue at once, without waiting for
 ``reassign_after_s``. A worker known to be gone for good (its slice was preempted) has its
-shards handed out again at once through :meth:`WorkScheduler.release`.
+shards handed out again at once through :meth:`WorkScheduler.release`, and gets no more.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ class WorkScheduler:
         self._holders: dict[Shard, str] = {}  # who holds an assigned shard ("" unknown)
         self._delivered: dict[int, dict[Shard, RolloutBatch]] = {}
         self._closed: str | None = None
+        self._gone: set[str] = set()  # workers released for good: never given work again
         self.counts = SchedulerCounts()
 
     # ---- versions ------------------------------------------------------------------------
@@ -184,10 +185,12 @@ class WorkScheduler:
     def release(self, worker_id: str) -> int:
         """Hand out again at once every shard ``worker_id`` holds (the worker is gone for
         good, e.g. its node was removed); returns how many. A late delivery of one of them
-        is refused like any work that is not outstanding."""
+        is refused like any work that is not outstanding, and the worker, should it still ask
+        for work (its process not yet dead), is answered DONE."""
         if not worker_id:
             raise ValueError(f"`worker_id` must be a non-empty worker id; received {worker_id!r}")
         with self._condition:
+            self._gone.add(worker_id)
             before = self.counts.released_shards
             self._release(worker_id)
             self._condition.notify_all()
@@ -219,7 +222,11 @@ class WorkScheduler:
 
     def _try_acquire(self, worker_id: str = "") -> Assignment:
         with self._condition:
-            if self._closed is not None or self._published >= self.end_step:
+            if (
+                self._closed is not None
+                or self._published >= self.end_step
+                or worker_id in self._gone
+            ):
                 return Assignment(WorkKind.DONE)
             self._expire()
             self._queue.sort(key=lambda shard: (shard.step, shard.row_start))

@@ -167,6 +167,9 @@ def test_a_worker_gone_for_good_has_its_shard_handed_out_at_once_and_trained_onc
     survivor = work.acquire(worker_id="rollout-0")
     assert work.release("rollout-1") == 1 and work.release("rollout-1") == 0
     assert work.holders() == {"rollout-0": [(0, 2, 2)]}
+    # Its process, not dead yet, asking again: no more work for it (DONE), none held.
+    assert work.acquire(worker_id="rollout-1").kind is WorkKind.DONE
+    assert work.holders() == {"rollout-0": [(0, 2, 2)]}
     assert work.deliver(batch_of(survivor)) is Delivery.ACCEPTED
     again = work.acquire(worker_id="rollout-0")
     assert again.kind is WorkKind.WORK and again.shard == lost.shard
@@ -327,9 +330,10 @@ def fresh_run(phases: Path, path: Path) -> Path:
 
 
 class RunningJob:
-    """``run_job`` on a thread, with handles to reach its actors while it runs."""
+    """``run_job`` on a thread (``options``: further keywords of ``run_job``), with handles
+    to reach its actors while it runs."""
 
-    def __init__(self, job: JobSpec, run: Path):
+    def __init__(self, job: JobSpec, run: Path, **options):
         from services.jobs.driver import run_job
 
         self.run = run
@@ -339,7 +343,7 @@ class RunningJob:
 
         def target():
             try:
-                self.result = run_job(job, run, progress=False, log=self.lines.append)
+                self.result = run_job(job, run, progress=False, log=self.lines.append, **options)
             except BaseException as error:
                 self.error = error
 

@@ -11,17 +11,22 @@ advertise what Ray gives real TPU hosts: ``TPU: 4``, the slice-name resource,
 ``ray.io/tpu-slice-name`` / ``ray.io/tpu-worker-id`` / ``ray.io/tpu-pod-type`` labels. Each
 node is also started with the GKE variables (``TPU_NAME``, ``TPU_WORKER_ID``, ...) so Ray's
 own TPU detection agrees with those resources instead of asking the GCE metadata server,
-and its worker processes see them as on GKE.
+and its worker processes see them as on GKE. On it: single roles placed by ``place_slice``
+and the driver's ``place_role``, and a whole tiny job (``run_job``) with its teacher on one
+slice and its learner on the other, each a 4-process ``jax.distributed`` world on the CPU
+backend whose host 0 runs the role and checkpoints alone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +43,7 @@ from services.cluster.tpu import (
     place_slice,
 )
 from services.common.config import JobSpec
+from tests.support.fakes import TINY_MODELS, TINY_PHASES
 
 # --- SliceRequest -----------------------------------------------------------------------
 
@@ -376,12 +382,12 @@ def test_a_role_slice_is_validated_with_the_role():
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
             _job({"rollout": role})
-    # The teacher and the learner run on host 0 only and checkpoint with Orbax, which
-    # synchronizes every process of the world: single-host slices only, for now.
+    # The teacher and the learner take single-host and multi-host slices alike (on a
+    # multi-host one host 0 runs the role and checkpoints alone; the other hosts hold).
     assert _job({"learner": {"slice": {**v6e, "topology": "2x4"}}}).cluster.learner.slice.hosts == 1
     for role in ("teacher", "learner"):
-        with pytest.raises(ConfigError, match=f"`cluster.{role}.slice` must be a single-host"):
-            _job({role: {"slice": v6e}})
+        config = getattr(_job({role: {"slice": v6e}}).cluster, role)
+        assert config.slice.hosts == 4 and config.restarts(role) == 0
 
 
 def _world(placed) -> list[dict]:
@@ -493,3 +499,143 @@ def test_a_job_role_asking_for_a_missing_slice_fails_naming_it(fake_tpu_cluster,
     message = str(error.value)
     for part in ("rollout-0", "v6e", "8x8", "v6e-64", "no node in the cluster advertises it"):
         assert part in message, message
+
+
+# --- a whole job with its teacher and its learner on four-host slices --------------------
+
+STEPS = 2
+BATCH = 4
+WAIT_S = 300.0
+
+
+def _job_on_four_host_slices() -> JobSpec:
+    """The tiny job (tiny models, two-step phases, two OPD steps, a checkpoint after each)
+    with its teacher replica on one v6e 4x4 slice and its learner on the other (each world's
+    coordinator on its own port: both slices share this machine) and one rollout worker,
+    off slices, on the CPU head."""
+    job = load_config(
+        ROOT / "deploy/configs/tiny.yaml",
+        JobSpec,
+        [
+            *TINY_MODELS,
+            *TINY_PHASES,
+            f"data.batch_size={BATCH}",
+            f"opd.steps={STEPS}",
+            "opd.checkpoint_every=1",
+        ],
+    )
+    teacher_port = _free_port()
+    learner_port = _free_port()
+    while learner_port == teacher_port:
+        learner_port = _free_port()
+    v6e = {"accelerator_type": "v6e", "topology": "4x4"}
+    cluster = {
+        "start_timeout_s": WAIT_S,
+        "step_timeout_s": WAIT_S,
+        "teacher": {"count": 1, "slice": {**v6e, "coordinator_port": teacher_port}},
+        "learner": {"slice": {**v6e, "coordinator_port": learner_port}},
+        "rollout": {"count": 1},
+    }
+    return JobSpec(**{**job.model_dump(mode="json"), "cluster": cluster})
+
+
+def _run_in_thread(job: JobSpec, run: Path) -> tuple[threading.Thread, dict]:
+    """``run_job`` of ``job`` on a thread, the slices' JAX on CPU (the fake hosts have no
+    TPU); ``outcome`` gets its ``result`` or ``error`` and the driver's ``lines``."""
+    from services.jobs.driver import run_job
+
+    outcome: dict = {"lines": []}
+
+    def target():
+        try:
+            outcome["result"] = run_job(
+                job, run, progress=False, log=outcome["lines"].append, jax_platforms="cpu"
+            )
+        except BaseException as error:  # reported by the test
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="job")
+    thread.start()
+    return thread, outcome
+
+
+def _slice_world(run: Path, label: str, job: threading.Thread, outcome: dict) -> list[dict]:
+    """``world_info`` of the host actors of the job's ``label`` (``teacher-0``, ``learner``),
+    in host order, found by their Ray names once the driver has placed them."""
+    import ray
+
+    from services.jobs.driver import actor_name
+
+    name = actor_name(run, label)
+    names = [name, *(f"{name}-host-{host}" for host in range(1, HOSTS_PER_SLICE))]
+    deadline = time.monotonic() + WAIT_S
+    hosts = []
+    for each in names:
+        while True:
+            try:
+                hosts.append(ray.get_actor(each))
+                break
+            except ValueError:
+                assert job.is_alive(), f"the job ended before {each} was placed: {outcome}"
+                assert time.monotonic() < deadline, f"timed out waiting for {each}"
+                time.sleep(0.2)
+    return ray.get([host.world_info.remote() for host in hosts], timeout=WAIT_S)
+
+
+def _finish(job: threading.Thread, outcome: dict):
+    job.join(WAIT_S)
+    assert not job.is_alive(), "timed out waiting for the job to finish"
+    assert "error" not in outcome, outcome.get("error")
+    return outcome["result"]
+
+
+def _checkpoints(run: Path) -> dict[int, dict]:
+    """The OPD checkpoints' progress records by step."""
+    root = run / "opd" / "checkpoints"
+    return {
+        int(step.name): json.loads((step / "progress" / "metadata").read_text())
+        for step in root.iterdir()
+        if step.name.isdigit()
+    }
+
+
+@pytest.mark.slow
+def test_a_job_with_its_teacher_and_learner_on_four_host_slices_trains_and_checkpoints(
+    fake_tpu_cluster, tmp_path
+):
+    job = _job_on_four_host_slices()
+    run = tmp_path / "run"
+    thread, outcome = _run_in_thread(job, run)
+    worlds = {
+        label: _slice_world(run, label, thread, outcome) for label in ("teacher-0", "learner")
+    }
+    result = _finish(thread, outcome)
+
+    for label, world in worlds.items():
+        slice_name = world[0]["node_slice_name"]
+        # The four hosts of one slice, one 4-process jax.distributed world, in worker order:
+        # JAX's process index of each host actor is its host's TPU worker id.
+        assert [host["node_id"] for host in world] == [
+            fake_tpu_cluster[slice_name, worker] for worker in range(HOSTS_PER_SLICE)
+        ], label
+        for process_id, host in enumerate(world):
+            assert host["node_slice_name"] == slice_name, label
+            assert host["process_id"] == host["process_index"] == process_id, label
+            assert host["node_worker_id"] == host["tpu_worker_id_env"] == str(process_id)
+            assert host["num_processes"] == host["process_count"] == HOSTS_PER_SLICE
+            assert host["endpoint"] == (process_id == 0)
+            assert host["platform"] == "cpu"
+    assert {world[0]["node_slice_name"] for world in worlds.values()} == set(SLICES)
+
+    # Host 0 trained to the end and wrote every checkpoint alone (the other processes of
+    # its world only held), each with the data ledger: every sample trained once.
+    rows = job.data.batch_size * job.loss.group_size
+    assert result.status["step"] == STEPS and result.status["error"] == ""
+    assert result.status["accepted_rows"] == STEPS * rows
+    saved = _checkpoints(run)
+    assert sorted(saved) == list(range(1, STEPS + 1))
+    assert saved[STEPS]["ledger"] == [[0, STEPS * BATCH]]
+    contract = json.loads((run / "opd" / "contract.json").read_text())
+    assert contract["topology"]["process_count"] == HOSTS_PER_SLICE  # opened in the world
+    shards = {path.name for path in (run / "opd" / "checkpoints").glob("*/state/ocdbt.*")}
+    assert shards == {"ocdbt.process_0"}  # Orbax's per-process shard files: process 0's only
