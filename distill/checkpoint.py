@@ -158,6 +158,14 @@ def check_contract(
     return recorded
 
 
+def read_contract(directory: str | Path) -> dict[str, Any] | None:
+    """The contract a run directory was started under (its ``contract.json``); None when it
+    has none. Read only: deciding how to open a run (:meth:`RunCheckpointer.open` still
+    checks every must-match field)."""
+    path = Path(directory) / CONTRACT_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def extend_ledger(ledger: list[list[int]], start: int, end: int) -> list[list[int]]:
     """The data ledger (ranges ``[start, end)`` of stream positions trained by the lineage
     of a state) with ``[start, end)`` appended; contiguous ranges merge. Overlap would mean

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distill.checkpoint import RunCheckpointer, extend_ledger, restored_ledger
-from distill.config import JobConfig, PhaseConfig
+from distill.checkpoint import RunCheckpointer, extend_ledger, read_contract, restored_ledger
+from distill.config import JobConfig, ModelConfig, PhaseConfig
 from distill.cross_tokenizer import CrossTokenizerTeacher
 from distill.data.stream import TaskStream
 from distill.diffusion.objectives import CausalLM, Objective
@@ -32,6 +32,7 @@ from distill.job import (
     job_tokenizer,
     phase_contract,
 )
+from distill.models.planner import trunk_state
 from distill.models.transformer import Transformer
 from distill.teacher import InProcessTeacher, Teacher, model_hash
 from distill.tokenizer import Tokenizer
@@ -173,19 +174,44 @@ def in_process_teacher(job: JobConfig, model: Transformer) -> Teacher:
 
 
 def load_student_run(
-    job: JobConfig, run_dir: str | Path, *, teacher: Transformer | None = None
+    job: JobConfig,
+    run_dir: str | Path,
+    *,
+    teacher: Transformer | None = None,
+    log: Log = print,
 ) -> Transformer:
     """The warmed-up student of a finished student warm-up run of this job (``teacher`` is
-    needed when ``student_init`` is 'teacher': the run's contract names its hash)."""
+    needed when ``student_init`` is 'teacher': the run's contract names its hash).
+
+    The run may differ from the job in the planner head alone (``student.planner_hidden``;
+    the warm-up objectives never read the head, so a warm-up serves any commit rule): the
+    trunk is restored bitwise, and a head the job asks for and the run lacks (or has at
+    another width) starts at its initialization (zero output: commit probability 1/2),
+    while a head the job does not use is dropped. Either is logged through ``log``. Every
+    other contract field must match (:class:`~distill.checkpoint.ContractMismatch`)."""
     tokenizer = job_tokenizer(job)
-    model = Transformer(job.student, rngs=nnx.Rngs(job.seed + 1))
+    saved = read_contract(run_dir)
+    # The contract leaves planner_hidden out when there is no head (job.LATER_FIELDS).
+    saved_width = (
+        job.student.planner_hidden
+        if saved is None
+        else saved.get("student", {}).get("planner_hidden")
+    )
+    warmed_up = job.model_copy(
+        update={
+            "student": ModelConfig.model_validate(
+                job.student.model_dump() | {"planner_hidden": saved_width}
+            )
+        }
+    )
+    model = Transformer(warmed_up.student, rngs=nnx.Rngs(job.seed + 1))
     optimizer = phase_train_state(model, job.student_warmup)
     teacher_hash = None
     if job.student_init == "teacher":
         if teacher is None:
             raise ValueError("`teacher` must be given when student_init is 'teacher'")
         teacher_hash = model_hash(teacher)
-    contract = phase_contract(job, tokenizer, "student_warmup", teacher_hash=teacher_hash)
+    contract = phase_contract(warmed_up, tokenizer, "student_warmup", teacher_hash=teacher_hash)
     checkpointer = RunCheckpointer.open(run_dir, contract)
     restored = checkpointer.restore_latest((optimizer, model))
     checkpointer.close()
@@ -194,7 +220,25 @@ def load_student_run(
             f"`student_run` must hold a finished warm-up ({job.student_warmup.steps} steps); "
             f"{run_dir} has {None if restored is None else restored.step}"
         )
-    return model
+    wanted_width = job.student.planner_hidden
+    if saved_width == wanted_width:
+        return model
+    # A fresh student of the job's config holds exactly the head a warm-up with it would
+    # have started from (the head is created last, from its own stream); the trunk is the run's.
+    student = Transformer(job.student, rngs=nnx.Rngs(job.seed + 1))
+    nnx.update(student, trunk_state(model))
+    if wanted_width is None:
+        log(
+            f"dropped the planner head (width {saved_width}) of warm-up run {run_dir}: "
+            f"commit_rule {job.rollout.commit_rule!r} does not use it; trunk restored"
+        )
+    else:
+        found = "has none" if saved_width is None else f"has width {saved_width}"
+        log(
+            f"initialized a fresh planner head (width {wanted_width}, commit probability "
+            f"1/2) on the trunk of warm-up run {run_dir}, which {found}"
+        )
+    return student
 
 
 def init_student(job: JobConfig, teacher: Transformer | None) -> Transformer:

@@ -27,6 +27,7 @@ OVERRIDES = [
     "opd.optimizer.learning_rate=0.01",
 ]
 SILENT = dict(progress=False, log=lambda _: None)
+QUIET = dict(log=lambda _: None)
 
 
 def tiny_job(*extra):
@@ -155,3 +156,124 @@ def test_a_corrupt_latest_opd_checkpoint_falls_back_and_retrains_the_same_steps(
     assert len(history) == 2  # steps 2 and 3 again, from the good checkpoint at step 2
     for got, want in zip(params(student), expected, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+# ---- warm-starting a planner student from a warm-up trained without one (issue #16) ----
+
+PLANNER = ("rollout.commit_rule=planner", "student.planner_hidden=8")
+WARMUP = (
+    "student_warmup.steps=2",
+    "student_warmup.checkpoint_every=2",
+    "student_warmup.optimizer.warmup_steps=1",
+    "student_warmup.eval_examples=2",
+)
+
+
+def trunk_and_head(model):
+    """``(trunk, planner)`` flat ``{path: array}`` parameters ({} head without a planner)."""
+    flat = {
+        path: np.asarray(variable[...])
+        for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    head = {path: value for path, value in flat.items() if path[0] == "planner"}
+    return {path: value for path, value in flat.items() if path[0] != "planner"}, head
+
+
+def assert_bitwise_equal(got, want):
+    assert got.keys() == want.keys()
+    for path, value in want.items():
+        np.testing.assert_array_equal(got[path], value, err_msg=str(path))
+
+
+def warm_up(tmp_path_factory, *overrides):
+    job = tiny_job(*WARMUP, *overrides)
+    run = tmp_path_factory.mktemp("warmup")
+    student, _ = pipeline.warmup_student(job, run, **SILENT)
+    return run, trunk_and_head(student)
+
+
+@pytest.fixture(scope="module")
+def warmed_up_without_planner(tmp_path_factory):
+    return warm_up(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def warmed_up_with_planner(tmp_path_factory):
+    return warm_up(tmp_path_factory, *PLANNER)
+
+
+def test_a_warmup_without_planner_gives_a_planner_student_its_trunk_and_a_fresh_head(
+    warmed_up_without_planner,
+):
+    run, (saved_trunk, _) = warmed_up_without_planner
+    job = tiny_job(*WARMUP, *PLANNER)
+    messages = []
+    student = pipeline.load_student_run(job, run, log=messages.append)
+    trunk, head = trunk_and_head(student)
+    assert_bitwise_equal(trunk, saved_trunk)
+    fresh = pipeline.Transformer(job.student, rngs=nnx.Rngs(job.seed + 1))
+    assert_bitwise_equal(head, trunk_and_head(fresh)[1])
+    assert not np.any(head[("planner", "out", "kernel")])
+    hidden = jax.random.normal(jax.random.key(0), (3, job.student.d_model))
+    np.testing.assert_array_equal(jax.nn.sigmoid(student.commit_logits(hidden)), 0.5)
+    assert len(messages) == 1 and "initialized a fresh planner head" in messages[0]
+    # Only the head may differ: any other change of the warm-up's setup is still refused.
+    with pytest.raises(ContractMismatch, match="`student.d_ff`") as refused:
+        pipeline.load_student_run(tiny_job(*WARMUP, *PLANNER, "student.d_ff=128"), run)
+    assert "planner_hidden" not in str(refused.value)
+
+
+def test_a_warm_started_planner_student_trains_and_its_opd_run_keeps_its_commit_rule(
+    warmed_up_without_planner, tmp_path
+):
+    run, _ = warmed_up_without_planner
+    job = tiny_job(*WARMUP, *PLANNER)
+    tokenizer = pipeline.job_tokenizer(job)
+    teacher = InProcessTeacher(models(job)[0], tokenizer)
+
+    def learner(job):
+        student = pipeline.load_student_run(job, run, log=lambda _: None)
+        return opd.OpdLearner(job, student, teacher, tokenizer, run_dir=tmp_path, **QUIET)
+
+    first = learner(job)
+    metrics = first.train(first.roll_out())
+    first.save(metrics)
+    first.close()
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert np.any(trunk_and_head(first.student)[1][("planner", "out", "kernel")])
+    # The fresh head is a function of the job's seed: the same start, so the run resumes...
+    resumed = learner(job)
+    assert resumed.step == 1
+    resumed.close()
+    # ...and, as for any OPD run, refuses another commit rule (with or without the head).
+    for changed in (tiny_job(*WARMUP, "student.planner_hidden=8"), tiny_job(*WARMUP)):
+        with pytest.raises(ContractMismatch, match="`rollout.commit_rule`"):
+            learner(changed)
+
+
+def test_a_planner_head_the_job_does_not_use_is_dropped_and_one_it_does_is_kept(
+    warmed_up_with_planner,
+):
+    """A warm-up with the planner serves every commit rule: a job without a planner gets its
+    trunk (the head is dropped, logged), one of the head's width gets the saved head, one of
+    another width a fresh head."""
+    run, (saved_trunk, saved_head) = warmed_up_with_planner
+    planner_job = tiny_job(*WARMUP, *PLANNER)
+    initial = pipeline.Transformer(planner_job.student, rngs=nnx.Rngs(planner_job.seed + 1))
+    assert_bitwise_equal(saved_head, trunk_and_head(initial)[1])  # the warm-up never reads it
+    messages = []
+    plain = pipeline.load_student_run(tiny_job(*WARMUP), run, log=messages.append)
+    assert plain.planner is None
+    assert_bitwise_equal(trunk_and_head(plain)[0], saved_trunk)
+    assert len(messages) == 1 and "dropped the planner head (width 8)" in messages[0]
+
+    same = pipeline.load_student_run(planner_job, run, log=messages.append)
+    assert_bitwise_equal(trunk_and_head(same)[1], saved_head)
+    assert len(messages) == 1
+
+    wider = tiny_job(*WARMUP, *PLANNER, "student.planner_hidden=16")
+    other = pipeline.load_student_run(wider, run, log=messages.append)
+    assert_bitwise_equal(trunk_and_head(other)[0], saved_trunk)
+    fresh = pipeline.Transformer(wider.student, rngs=nnx.Rngs(wider.seed + 1))
+    assert_bitwise_equal(trunk_and_head(other)[1], trunk_and_head(fresh)[1])
+    assert "which has width 8" in messages[-1]

@@ -6,7 +6,8 @@ masked slot a commit logit at each denoising step (``rollout.commit_rule: planne
 slot itself under ``same_position``, the previous logical position under ``shifted``), so
 the planner judges the same state the token head samples from. It is part of the student's
 parameters (trained, checkpointed and published with them); a student whose config has no
-``planner_hidden`` has no planner at all.
+``planner_hidden`` has no planner at all. The warm-up objectives never read it, so a warm-up
+run's trunk serves a student with any head or none (:func:`trunk_state`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distill.config import ModelConfig
+
+#: The student attribute holding its planner head: the first key of the head's state paths.
+PLANNER_ATTRIBUTE = "planner"
 
 
 class CommitPlanner(nnx.Module):
@@ -37,3 +41,9 @@ class CommitPlanner(nnx.Module):
     def __call__(self, hidden: jax.Array) -> jax.Array:
         features = nnx.silu(self.hidden(hidden.astype(jnp.float32)))
         return self.out(features)[..., 0].astype(jnp.float32)
+
+
+def trunk_state(model: nnx.Module) -> nnx.State:
+    """Every variable of ``model`` outside its planner head (all of them for a student
+    without one): what moves between students that differ only in their head."""
+    return nnx.state(model, nnx.Not(nnx.PathContains(PLANNER_ATTRIBUTE)))
