@@ -235,7 +235,7 @@ class ClusterConfig(ConfigModel):
     stage that stalled (``rollout``, ``teacher`` or ``learner``); ``None`` turns it off.
     ``record_traces``: the learner keeps every trained rollout in ``RUN/opd/traces/``.
     Any role may be placed on multi-host slices: host 0 runs the role and checkpoints alone,
-    the other hosts hold (:class:`services.cluster.actors.LearnerSliceHost`,
+    the other hosts hold (:class:`services.cluster.actors._SliceHost`,
     docs/tpu-placement.md).
     """
 

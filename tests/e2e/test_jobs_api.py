@@ -6,7 +6,6 @@ resumes it from its checkpoint; unknown ids and dead addresses are one-line erro
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,12 @@ import pytest
 from services import cli
 from services.jobs import api
 from tests.support.fakes import TINY_MODELS, TINY_PHASES, set_args
+from tests.support.network import free_port
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [*TINY_MODELS, *TINY_PHASES, "cluster.rollout.count=1"]
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ from tests.e2e.test_faults import (
     signal_pid,
     train_phases,
 )
+from tests.support.network import free_port
 
 SLICES = ("slice-a", "slice-b")
 HOSTS = 2  # v4 2x2x2 = v4-16: 8 chips on 2 hosts
@@ -116,12 +116,6 @@ def two_slice_cluster():
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     return train_phases(tmp_path_factory.mktemp("phases"))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def job_on_two_slices() -> JobSpec:

@@ -4,7 +4,6 @@ single-process step, checkpoints it from every process, and a fresh world resume
 same parameters; a program on host 0 alone checkpoints with ``processes={0}``."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +14,11 @@ import pytest
 
 from distill.models import sharding
 from tests.models.multihost_setup import as_numpy, build, flat_params, step_inputs, train_one_step
+from tests.support.network import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("multihost_check.py")
 PROCESSES = 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_world(phase: str, run_dir: Path) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import http.server
 import json
 import math
-import socket
 import threading
 
 import grpc
@@ -53,6 +52,7 @@ from services.rollout.messages import rows_to_proto
 from services.teacher.server import SERVICE_NAME as TEACHER
 from services.teacher.server import TeacherServerConfig, serve_teacher
 from tests.support.fakes import ROOT, tiny_char_teacher, tiny_job, tiny_models
+from tests.support.network import free_port
 
 TOKEN = "bad-inputs-token"
 AUTH = bearer_metadata(TOKEN)
@@ -60,12 +60,6 @@ WAIT_S = 60
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 LEARNER_MAX_BYTES = 1 << 20  # the learner fixture's message limit
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def raw(channel, method):

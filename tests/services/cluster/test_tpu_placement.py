@@ -23,10 +23,8 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,7 +41,9 @@ from services.cluster.tpu import (
     place_slice,
 )
 from services.common.config import JobSpec
+from tests.e2e.test_faults import RunningJob
 from tests.support.fakes import TINY_MODELS, TINY_PHASES
+from tests.support.network import free_port
 
 # --- SliceRequest -----------------------------------------------------------------------
 
@@ -356,12 +356,6 @@ def _job(cluster: dict) -> JobSpec:
     return JobSpec(**{**job.model_dump(mode="json"), "cluster": cluster})
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_a_role_slice_is_validated_with_the_role():
     job = _job({"rollout": {"count": 2, "slice": {"accelerator_type": "V6E", "topology": "4x4"}}})
     assert job.cluster.rollout.slice.pod_type == "v6e-16"
@@ -415,9 +409,7 @@ def test_two_student_slices_each_get_one_whole_slice_as_one_jax_world(fake_tpu_c
         for index in range(job.cluster.rollout.count):
             # As run_job places them, with the hosts' JAX on CPU (the fake hosts have no
             # TPU) and, since both fake slices share this machine, a coordinator port each.
-            request = job.cluster.rollout.slice.model_copy(
-                update={"coordinator_port": _free_port()}
-            )
+            request = job.cluster.rollout.slice.model_copy(update={"coordinator_port": free_port()})
             config = job.cluster.rollout.model_copy(update={"slice": request})
             placed.append(
                 place_role(
@@ -524,10 +516,10 @@ def _job_on_four_host_slices() -> JobSpec:
             "opd.checkpoint_every=1",
         ],
     )
-    teacher_port = _free_port()
-    learner_port = _free_port()
+    teacher_port = free_port()
+    learner_port = free_port()
     while learner_port == teacher_port:
-        learner_port = _free_port()
+        learner_port = free_port()
     v6e = {"accelerator_type": "v6e", "topology": "4x4"}
     cluster = {
         "start_timeout_s": WAIT_S,
@@ -539,54 +531,11 @@ def _job_on_four_host_slices() -> JobSpec:
     return JobSpec(**{**job.model_dump(mode="json"), "cluster": cluster})
 
 
-def _run_in_thread(job: JobSpec, run: Path) -> tuple[threading.Thread, dict]:
-    """``run_job`` of ``job`` on a thread, the slices' JAX on CPU (the fake hosts have no
-    TPU); ``outcome`` gets its ``result`` or ``error`` and the driver's ``lines``."""
-    from services.jobs.driver import run_job
-
-    outcome: dict = {"lines": []}
-
-    def target():
-        try:
-            outcome["result"] = run_job(
-                job, run, progress=False, log=outcome["lines"].append, jax_platforms="cpu"
-            )
-        except BaseException as error:  # reported by the test
-            outcome["error"] = error
-
-    thread = threading.Thread(target=target, name="job")
-    thread.start()
-    return thread, outcome
-
-
-def _slice_world(run: Path, label: str, job: threading.Thread, outcome: dict) -> list[dict]:
+def _slice_world(running: RunningJob, label: str) -> list[dict]:
     """``world_info`` of the host actors of the job's ``label`` (``teacher-0``, ``learner``),
-    in host order, found by their Ray names once the driver has placed them."""
-    import ray
-
-    from services.jobs.driver import actor_name
-
-    name = actor_name(run, label)
-    names = [name, *(f"{name}-host-{host}" for host in range(1, HOSTS_PER_SLICE))]
-    deadline = time.monotonic() + WAIT_S
-    hosts = []
-    for each in names:
-        while True:
-            try:
-                hosts.append(ray.get_actor(each))
-                break
-            except ValueError:
-                assert job.is_alive(), f"the job ended before {each} was placed: {outcome}"
-                assert time.monotonic() < deadline, f"timed out waiting for {each}"
-                time.sleep(0.2)
-    return ray.get([host.world_info.remote() for host in hosts], timeout=WAIT_S)
-
-
-def _finish(job: threading.Thread, outcome: dict):
-    job.join(WAIT_S)
-    assert not job.is_alive(), "timed out waiting for the job to finish"
-    assert "error" not in outcome, outcome.get("error")
-    return outcome["result"]
+    in host order (host i > 0 is named ``<label>-host-<i>``)."""
+    names = [label, *(f"{label}-host-{host}" for host in range(1, HOSTS_PER_SLICE))]
+    return [running.call(name, "world_info", f"{name}'s world") for name in names]
 
 
 def _checkpoints(run: Path) -> dict[int, dict]:
@@ -605,11 +554,11 @@ def test_a_job_with_its_teacher_and_learner_on_four_host_slices_trains_and_check
 ):
     job = _job_on_four_host_slices()
     run = tmp_path / "run"
-    thread, outcome = _run_in_thread(job, run)
-    worlds = {
-        label: _slice_world(run, label, thread, outcome) for label in ("teacher-0", "learner")
-    }
-    result = _finish(thread, outcome)
+    # The fake hosts have no TPU: their JAX runs on CPU.
+    running = RunningJob(job, run, jax_platforms="cpu")
+    worlds = {label: _slice_world(running, label) for label in ("teacher-0", "learner")}
+    result, error = running.finish()
+    assert error is None, error
 
     for label, world in worlds.items():
         slice_name = world[0]["node_slice_name"]

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from services.common.auth import bearer_metadata
 from services.proto import teacher_pb2, teacher_pb2_grpc
 from services.teacher.server import SERVICE_NAME, TeacherServerConfig, serve_teacher
 from tests.support.fakes import tiny_char_teacher
+from tests.support.network import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "s3cret-teacher-token"
@@ -347,12 +347,6 @@ class GatedTeacher:
         self.scoring.set()
         assert self.score_gate.wait(WAIT_S), "score_gate never opened"
         return self.inner.score(sequences, top_k=top_k)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def health_status(channel, service=""):
