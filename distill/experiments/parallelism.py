@@ -132,9 +132,9 @@ class LossVariant:
     opd: bool = True
 
 
-#: OPD loss variants by name. A new recipe (e.g. a learned commit policy, ``planner``, with
-#: ``rollout.commit_rule=planner`` and a ``loss.forward_cost``) is one more entry, added with
-#: :func:`register_loss_variant`; its own commit rule is then evaluated as an extra point.
+#: OPD loss variants by name. A new recipe is one more entry, added with
+#: :func:`register_loss_variant`; a commit rule of its own (e.g. ``planner``) is then
+#: evaluated as an extra point.
 LOSS_VARIANTS: dict[str, LossVariant] = {}
 
 
@@ -150,12 +150,27 @@ def register_loss_variant(variant: LossVariant) -> LossVariant:
     return variant
 
 
+#: The planner head's width and the per-forward cost of the ``planner+cost`` variant (nats
+#: per forward: with ``mean_to_go`` advantages a cost c reads as c over the tokens left).
+PLANNER_HIDDEN = 32
+PLANNER_FORWARD_COST = 1.0
+_PLANNER = (
+    "loss.kind=reverse_kl",
+    "loss.advantage=mean_to_go",
+    "rollout.commit_rule=planner",
+    f"student.planner_hidden={PLANNER_HIDDEN}",
+)
+
 for _variant in (
     LossVariant("none", opd=False),
     LossVariant("reverse_kl+mean_to_go", ("loss.kind=reverse_kl", "loss.advantage=mean_to_go")),
     LossVariant("reverse_kl+sequence", ("loss.kind=reverse_kl", "loss.advantage=sequence")),
     LossVariant("forward_kl", ("loss.kind=forward_kl",)),
     LossVariant("jsd", ("loss.kind=jsd",)),
+    # The learned commit policy (docs/opd.md): the joint reverse-KL policy gradient over
+    # tokens and commit decisions, without and with a per-forward cost in the reward.
+    LossVariant("planner", _PLANNER),
+    LossVariant("planner+cost", (*_PLANNER, f"loss.forward_cost={PLANNER_FORWARD_COST}")),
 ):
     register_loss_variant(_variant)
 
@@ -303,14 +318,17 @@ class _Phases:
             self._teachers[key] = (model, record)
         return self._teachers[key]
 
-    def warm_student(self, spec: str, objective: str, seed: int, job: Any, teacher: Any) -> Any:
-        """A fresh copy of the warmed-up student (OPD trains its student in place)."""
+    def warm_student(
+        self, spec: str, objective: str, seed: int, warmup_job: Any, teacher: Any, job: Any
+    ) -> Any:
+        """A fresh copy of the student warmed up by ``warmup_job``, loaded for ``job`` (OPD
+        trains its student in place)."""
         from distill.pipeline import load_student_run, warmup_student
 
         directory = self.run_dir / "warmup" / f"{spec}__{objective}__seed{seed}"
         if not (directory / "eval.json").is_file():  # written when the warm-up finished
-            warmup_student(job, directory, teacher=teacher, progress=False, log=self.log)
-        return load_student_run(job, directory, teacher=teacher)
+            warmup_student(warmup_job, directory, teacher=teacher, progress=False, log=self.log)
+        return load_student_run(job, directory, teacher=teacher, log=self.log)
 
     def evaluate(self, job: Any, student: Any, seed: int) -> list[dict[str, Any]]:
         from distill.evaluate import at_parallelism, at_threshold, evaluate_student
@@ -350,7 +368,11 @@ def run_cell(phases: _Phases, spec: str, objective: str, loss: str, seed: int) -
     config = phases.config
     job = cell_job(spec, objective, loss, seed, config)
     teacher, teacher_report = phases.teacher(spec, seed, job)
-    student = phases.warm_student(spec, objective, seed, job, teacher)
+    # The warm-up is shared by every loss variant of (task, objective, seed): it trains from
+    # the variant-free job, so it is the same whichever cell runs first (a planner variant's
+    # head is then added at its init by load_student_run).
+    warmup_job = cell_job(spec, objective, "none", seed, config)
+    student = phases.warm_student(spec, objective, seed, warmup_job, teacher, job)
     evaluations: list[tuple[int, Any]] = []
     if LOSS_VARIANTS[loss].opd:
         directory = phases.run_dir / "opd" / cell_name(spec, objective, loss, seed)

@@ -44,6 +44,8 @@ def test_the_grid_names_the_issue_objectives_and_losses():
         "reverse_kl+sequence",
         "forward_kl",
         "jsd",
+        "planner",
+        "planner+cost",
     ]
     assert {"agree16", "copy", "reverse", "sort", "addition"} <= set(experiment.TASK_SPECS)
     with pytest.raises(experiment.ExperimentError, match="`variant.name` must not be"):
@@ -62,7 +64,23 @@ def test_a_cell_job_applies_the_objective_loss_seed_and_steps():
     assert job.student.d_model == 32
     assert experiment.cell_job("agree16", "mdlm", "jsd", 0, CONFIG).loss.kind == "jsd"
     with pytest.raises(experiment.ExperimentError, match="`losses` must name"):
-        experiment.cell_job("agree16", "mdlm", "planner", 0, CONFIG)
+        experiment.cell_job("agree16", "mdlm", "no-such-loss", 0, CONFIG)
+
+
+def test_the_planner_variants_roll_out_with_the_learned_commit_rule():
+    plain = experiment.cell_job("agree16", "mdlm", "planner", 0, CONFIG)
+    costly = experiment.cell_job("agree16", "mdlm", "planner+cost", 0, CONFIG)
+    for job in (plain, costly):
+        assert (job.rollout.commit_rule, job.loss.kind, job.loss.advantage) == (
+            "planner",
+            "reverse_kl",
+            "mean_to_go",
+        )
+        assert job.student.planner_hidden == experiment.PLANNER_HIDDEN
+    assert (plain.loss.forward_cost, costly.loss.forward_cost) == (
+        0.0,
+        experiment.PLANNER_FORWARD_COST,
+    )
 
 
 def test_config_is_validated():
@@ -159,5 +177,26 @@ def test_a_run_directory_refuses_other_step_counts(tmp_path):
 
 
 def test_the_command_line_refuses_an_unknown_loss(tmp_path, capsys):
-    assert experiment.main(["--run-dir", str(tmp_path), "--losses", "planner"]) == 2
+    assert experiment.main(["--run-dir", str(tmp_path), "--losses", "no-such-loss"]) == 2
     assert "`losses` must name" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_planner_cell_shares_the_warm_up_and_is_evaluated_with_its_own_rule(finished):
+    run_dir, cells = finished
+    warmup = run_dir / "warmup" / "agree16__mdlm__seed0"
+    before = sorted(path.stat().st_mtime_ns for path in warmup.rglob("*") if path.is_file())
+    said: list[str] = []
+    grid = {**GRID, "losses": ["planner"]}
+    after = experiment.run(CONFIG, run_dir, progress=False, log=said.append, **grid)
+    record = after["agree16__mdlm__planner__seed0"]
+    # the reverse-KL cell's warm-up (trained without the head) is reused, not retrained
+    assert sorted(path.stat().st_mtime_ns for path in warmup.rglob("*") if path.is_file()) == before
+    assert (
+        json.loads((warmup / "contract.json").read_text())["student"].get("planner_hidden") is None
+    )
+    assert any("initialized a fresh planner head" in message for message in said)
+    assert [(p["rule"], p["setting"]) for p in record["points"]][-1] == ("planner", "as trained")
+    assert record["points"][-1]["count"] == 4
+    assert [entry["step"] for entry in record["opd_evaluations"]] == [0, 2]
+    assert after[CELL] == cells[CELL]
