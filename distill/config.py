@@ -521,8 +521,22 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
         if "=" not in override:
             raise ConfigError(f"`override` must have the form a.b=value; received {override!r}")
         path, raw = override.split("=", 1)
-        _set_dotted(merged, path.strip(), yaml.safe_load(raw))
+        _set_dotted(merged, path.strip(), _parse_yaml(raw, "override", repr(override)))
     return merged
+
+
+def _parse_yaml(text: str, field: str, source: str) -> Any:
+    """``yaml.safe_load(text)``; a syntax error becomes a ConfigError naming ``field``, the
+    ``source`` (file or override) and the line and column YAML reports, not a traceback."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(
+            f"`{field}` must hold valid YAML; received {source} with a syntax error{at}: {problem}"
+        ) from None
 
 
 ConfigT = TypeVar("ConfigT", bound=_Config)
@@ -539,7 +553,7 @@ def load_config(
         file = Path(path)
         if not file.is_file():
             raise ConfigError(f"`path` must name an existing YAML file; received {str(file)!r}")
-        data = yaml.safe_load(file.read_text()) or {}
+        data = _parse_yaml(file.read_text(), "path", repr(str(file))) or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"`path` must hold a YAML mapping; received {type(data).__name__}")
     return cls.from_dict(apply_overrides(data, overrides))

@@ -176,3 +176,16 @@ def test_mask_appended_allows_exactly_one_more_student_id(tmp_path):
         job_tokenizer(
             job.model_copy(update={"teacher": job.teacher.model_copy(update={"vocab_size": 51})})
         )
+
+
+def test_a_yaml_syntax_error_names_the_file_or_override_and_the_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("seed: 0\nstudent: {d_model: 64\n")
+    with pytest.raises(
+        ConfigError, match=r"`path` must hold valid YAML; received '.*job.yaml' .* line 3"
+    ):
+        load_config(path, JobConfig)
+    with pytest.raises(
+        ConfigError, match=r"`override` must hold valid YAML; received 'data.tasks=\[copy'"
+    ):
+        load_config(None, JobConfig, ["data.tasks=[copy"])
