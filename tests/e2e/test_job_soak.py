@@ -21,15 +21,13 @@ import numpy as np
 import pytest
 
 from services.teacher.client import RemoteTeacher
-from tests.e2e.test_faults import (  # noqa: F401  (module-scoped fixtures, used by name)
+from tests.services.teacher.test_endpoint_hardening import rss_bytes
+from tests.support.running_job import (
     RunningJob,
     fresh_run,
     job_with,
-    phases,
-    ray_session,
     rows_per_step,
 )
-from tests.services.teacher.test_endpoint_hardening import rss_bytes
 
 pytestmark = pytest.mark.slow
 

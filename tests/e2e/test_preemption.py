@@ -31,7 +31,8 @@ import pytest
 
 from services.common.config import JobSpec
 from services.jobs.driver import actor_name
-from tests.e2e.test_faults import (
+from tests.support.network import free_port
+from tests.support.running_job import (
     BATCH,
     STEPS,
     WAIT_S,
@@ -43,7 +44,6 @@ from tests.e2e.test_faults import (
     signal_pid,
     train_phases,
 )
-from tests.support.network import free_port
 
 SLICES = ("slice-a", "slice-b")
 HOSTS = 2  # v4 2x2x2 = v4-16: 8 chips on 2 hosts

@@ -41,9 +41,9 @@ from services.cluster.tpu import (
     place_slice,
 )
 from services.common.config import JobSpec
-from tests.e2e.test_faults import RunningJob
 from tests.support.fakes import TINY_MODELS, TINY_PHASES
 from tests.support.network import free_port
+from tests.support.running_job import RunningJob
 
 # --- SliceRequest -----------------------------------------------------------------------
 
