@@ -546,14 +546,23 @@ def load_config(
     path: str | Path | None,
     cls: type[ConfigT] = JobConfig,  # type: ignore[assignment]
     overrides: Sequence[str] = (),
+    *,
+    path_field: str = "path",
 ) -> ConfigT:
-    """Load a YAML file (or start empty when ``path`` is None), apply overrides, validate."""
+    """Load a YAML file (or start empty when ``path`` is None), apply overrides, validate.
+
+    A missing file, a YAML syntax error or a non-mapping document is a :class:`ConfigError`
+    naming ``path_field`` (a command line names its argument, e.g. ``config``)."""
     data: Any = {}
     if path is not None:
         file = Path(path)
         if not file.is_file():
-            raise ConfigError(f"`path` must name an existing YAML file; received {str(file)!r}")
-        data = _parse_yaml(file.read_text(), "path", repr(str(file))) or {}
+            raise ConfigError(
+                f"`{path_field}` must name an existing YAML file; received {str(file)!r}"
+            )
+        data = _parse_yaml(file.read_text(), path_field, repr(str(file))) or {}
         if not isinstance(data, Mapping):
-            raise ConfigError(f"`path` must hold a YAML mapping; received {type(data).__name__}")
+            raise ConfigError(
+                f"`{path_field}` must hold a YAML mapping; received {type(data).__name__}"
+            )
     return cls.from_dict(apply_overrides(data, overrides))

@@ -63,19 +63,9 @@ from distill.config import ConfigError, JobConfig, load_config
 def _job(args: argparse.Namespace) -> JobConfig:
     # The services' job spec: the library's job plus its `cluster:` section, so one YAML
     # serves every command.
-    import yaml
-
     from services.common.config import JobSpec
 
-    try:
-        return load_config(args.config, JobSpec, args.set)
-    except yaml.YAMLError as error:  # one line naming the file, not a parser traceback
-        mark = getattr(error, "problem_mark", None)
-        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
-        raise ConfigError(
-            f"`config` must be a valid YAML file; received {args.config!r} "
-            f"({getattr(error, 'problem', None) or type(error).__name__}{where})"
-        ) from None
+    return load_config(args.config, JobSpec, args.set, path_field="config")
 
 
 def _submit(args: argparse.Namespace) -> None:

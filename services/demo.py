@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    job = load_config(args.config, JobSpec, args.set)
+    job = load_config(args.config, JobSpec, args.set, path_field="config")
     run = Path(args.run_dir)
     tokenizer = pipeline.job_tokenizer(job)
     progress = not args.quiet
