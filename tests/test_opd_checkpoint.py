@@ -15,10 +15,14 @@ from distill.config import JobConfig, load_config
 from distill.teacher import InProcessTeacher, model_hash
 
 OVERRIDES = [
+    # One layer each: resume, ledger and contract checks do not depend on depth, and every
+    # rollout, update and evaluation shape here is compiled once per module.
     "teacher.d_model=32",
     "teacher.d_ff=64",
+    "teacher.n_layers=1",
     "student.d_model=32",
     "student.d_ff=64",
+    "student.n_layers=1",
     "student_init=scratch",
     "data.batch_size=4",
     "opd.steps=4",

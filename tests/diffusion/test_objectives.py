@@ -46,7 +46,8 @@ def layout():
     )
 
 
-@functools.partial(nnx.jit, static_argnames=("chosen", "step"))
+# `step` is traced (the ramp is a jnp schedule): one compile per objective, any step.
+@functools.partial(nnx.jit, static_argnames=("chosen",))
 def loss_of(chosen, model, layout, keys, step=0):
     return train.loss_and_metrics(chosen, model, layout, keys, step)
 
@@ -60,6 +61,15 @@ def gradients(chosen, model, layout, keys, microbatches=1):
 def plan_and_sums(chosen, model, layout, keys, step=0):
     plan = chosen.plan(layout, keys, step)
     return plan, chosen.sums(model, layout, plan, keys), chosen.denominators(layout, plan)
+
+
+@functools.partial(nnx.jit, static_argnames=("chosen",))
+def terms_and_loss(chosen, model, layout, keys, step):
+    """The plan's per-term sums and denominators, and the training loss, in one compile."""
+    plan = chosen.plan(layout, keys, step)
+    sums, denominators = chosen.sums(model, layout, plan, keys), chosen.denominators(layout, plan)
+    loss, _ = train.loss_and_metrics(chosen, model, layout, keys, step)
+    return sums, denominators, loss
 
 
 def keys_for(layout, seed=0):
@@ -129,6 +139,16 @@ def test_self_corrupted_with_zero_ramp_equals_mdlm(student, layout, context):
     assert not np.isclose(float(ramped), float(mdlm_loss))
 
 
+@nnx.jit
+def hand_run_logits(model, layout, canvas):
+    """The mask-excluded logits of ``canvas`` in the clean context (one compile for every
+    step of the hand-run decode below)."""
+    hidden = objectives.target_hidden(
+        model, layout, canvas, alignment="same_position", context="clean"
+    )
+    return model.logits(hidden).at[..., MASK].set(-jnp.inf)
+
+
 def test_coordination_target_is_a_sequential_decode(student, layout):
     coordination = objective(kind="coordination", group=3, context="clean")
     keys = keys_for(layout, 7)
@@ -141,10 +161,7 @@ def test_coordination_target_is_a_sequential_decode(student, layout):
     order = np.asarray(plan.coordination_order)
     canvas = np.asarray(plan.corruption.canvas).copy()
     for index in range(order.shape[1]):
-        hidden = objectives.target_hidden(
-            student, layout, jnp.asarray(canvas), alignment="same_position", context="clean"
-        )
-        logits = student.logits(hidden).at[..., MASK].set(-jnp.inf)
+        logits = hand_run_logits(student, layout, jnp.asarray(canvas))
         for row in range(order.shape[0]):
             slot = order[row, index]
             if slot < 0:
@@ -164,8 +181,7 @@ def test_coordination_target_is_a_sequential_decode(student, layout):
 def test_cmd_is_mdlm_plus_weighted_self_corrupted_and_ramped_coordination(student, layout):
     keys = keys_for(layout, 9)
     cmd = objective(kind="cmd", alpha=0.5, beta=2.0, ramp_steps=10)
-    _, sums, denominators = plan_and_sums(cmd, student, layout, keys, 5)
-    loss, _ = loss_of(cmd, student, layout, keys, 5)
+    sums, denominators, loss = terms_and_loss(cmd, student, layout, keys, 5)
     expected = (
         sums["mdlm"] / denominators["mdlm"]
         + 0.5 * sums["self_corrupted"] / denominators["self_corrupted"]

@@ -52,6 +52,16 @@ def packed(model, trace, num_chunks, dense=False, chunks_per_forward=None):
     )
 
 
+@functools.partial(nnx.jit, static_argnames=("num_steps",))
+def token_logps_per_step(model, trace, num_steps):
+    return replay.replay_per_step(model, trace, num_steps=num_steps)
+
+
+@functools.partial(nnx.jit, static_argnames=("num_chunks",))
+def token_logps_packed(model, trace, num_chunks):
+    return replay.replay_packed(model, trace, num_chunks=num_chunks)
+
+
 @pytest.fixture(scope="module")
 def planner(student):
     return planner_student(student)
@@ -155,9 +165,11 @@ def test_replay_under_other_parameters_agrees_across_paths(planner, case):
         assert np.abs(np.asarray(reference - case.decision_logps)).max() > 1e-3
         np.testing.assert_allclose(packed(other, case, n), reference, atol=1e-5, rtol=0)
         np.testing.assert_allclose(packed(other, case, n, dense=True), reference, atol=1e-5)
-        token_logps = replay.replay_packed(other, case, num_chunks=n)
         np.testing.assert_allclose(
-            token_logps, replay.replay_per_step(other, case, num_steps=n), atol=1e-5, rtol=0
+            token_logps_packed(other, case, n),
+            token_logps_per_step(other, case, n),
+            atol=1e-5,
+            rtol=0,
         )
 
 

@@ -27,29 +27,39 @@ def teacher():
 
 
 def test_greedy_cached_sampling_equals_argmax_of_full_recompute(teacher):
-    prompts = [[5, 6, 7], [8]]
+    prompts, new_tokens = [[5, 6, 7], [8]], 6
     sample = sample_causal(
         teacher,
         prompts,
-        max_new_tokens=6,
+        max_new_tokens=new_tokens,
         key=jax.random.key(0),
         pad_id=0,
         stop_ids=(3,),
         excluded_ids=(1,),
         greedy=True,
     )
+    # One uncached forward over each prompt + its sampled tokens (right padding, which no
+    # causal query sees): every sampled token must be the argmax after the tokens before it,
+    # so, step by step, the sample is the greedy decode recomputed without the cache.
+    width = max(len(prompt) for prompt in prompts) + new_tokens
+    tokens = np.zeros((len(prompts), width), np.int32)
+    segments = np.zeros_like(tokens)
     for row, prompt in enumerate(prompts):
-        sequence = list(prompt)
-        for step in range(6):
-            tokens = jnp.asarray([sequence])
-            positions = jnp.arange(len(sequence))[None]
-            logits = teacher(tokens, positions, jnp.ones_like(tokens))[0, -1].at[1].set(-jnp.inf)
-            expected = int(jnp.argmax(logits))
+        sequence = [*prompt, *np.asarray(sample.tokens[row]).tolist()]
+        tokens[row, : len(sequence)] = sequence
+        segments[row, : len(sequence)] = 1
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
+    logits = teacher(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments))
+    logits = logits.at[..., 1].set(-jnp.inf)
+    log_probs = np.asarray(jax.nn.log_softmax(logits))
+    for row, prompt in enumerate(prompts):
+        for step in range(new_tokens):
+            at = len(prompt) - 1 + step  # the logits that predict the step's token
+            expected = int(np.argmax(log_probs[row, at]))
             assert sample.tokens[row, step] == expected
             np.testing.assert_allclose(
-                sample.log_probs[row, step], jax.nn.log_softmax(logits)[expected], atol=1e-5
+                sample.log_probs[row, step], log_probs[row, at, expected], atol=1e-5
             )
-            sequence.append(expected)
 
 
 def test_excluded_ids_are_never_sampled_and_completions_cut_at_stop(teacher):
