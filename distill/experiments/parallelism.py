@@ -318,15 +318,16 @@ class _Phases:
             self._teachers[key] = (model, record)
         return self._teachers[key]
 
-    def warm_student(
-        self, spec: str, objective: str, seed: int, warmup_job: Any, teacher: Any, job: Any
-    ) -> Any:
-        """A fresh copy of the student warmed up by ``warmup_job``, loaded for ``job`` (OPD
-        trains its student in place)."""
+    def warm_student(self, spec: str, objective: str, seed: int, job: Any, teacher: Any) -> Any:
+        """A fresh copy of the warmed-up student, loaded for ``job`` (OPD trains its student
+        in place). The warm-up is shared by every loss variant of (task, objective, seed): it
+        trains from the variant-free job, so it is the same whichever cell runs first (a
+        planner variant's head is then added at its init by ``load_student_run``)."""
         from distill.pipeline import load_student_run, warmup_student
 
         directory = self.run_dir / "warmup" / f"{spec}__{objective}__seed{seed}"
         if not (directory / "eval.json").is_file():  # written when the warm-up finished
+            warmup_job = cell_job(spec, objective, "none", seed, self.config)
             warmup_student(warmup_job, directory, teacher=teacher, progress=False, log=self.log)
         return load_student_run(job, directory, teacher=teacher, log=self.log)
 
@@ -368,11 +369,7 @@ def run_cell(phases: _Phases, spec: str, objective: str, loss: str, seed: int) -
     config = phases.config
     job = cell_job(spec, objective, loss, seed, config)
     teacher, teacher_report = phases.teacher(spec, seed, job)
-    # The warm-up is shared by every loss variant of (task, objective, seed): it trains from
-    # the variant-free job, so it is the same whichever cell runs first (a planner variant's
-    # head is then added at its init by load_student_run).
-    warmup_job = cell_job(spec, objective, "none", seed, config)
-    student = phases.warm_student(spec, objective, seed, warmup_job, teacher, job)
+    student = phases.warm_student(spec, objective, seed, job, teacher)
     evaluations: list[tuple[int, Any]] = []
     if LOSS_VARIANTS[loss].opd:
         directory = phases.run_dir / "opd" / cell_name(spec, objective, loss, seed)

@@ -63,6 +63,11 @@ def logical_cpus(cluster: ClusterConfig) -> float:
     return sum(role.count * role.num_cpus for role in roles) + 1
 
 
+#: Attempts at starting an embedded Ray whose raylet timed out registering (Ray's message).
+EMBEDDED_START_ATTEMPTS = 2
+STARTUP_TIMEOUT = "timed out during startup"
+
+
 def start_ray(address: str | None, cluster: ClusterConfig, temp_dir: str | Path | None) -> bool:
     """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start an embedded local
     Ray on loopback; returns whether this call started one (then the caller shuts it down).
@@ -81,38 +86,35 @@ def start_ray(address: str | None, cluster: ClusterConfig, temp_dir: str | Path 
     if temp_dir is not None:
         Path(temp_dir).mkdir(parents=True, exist_ok=True)
         kwargs["_temp_dir"] = str(Path(temp_dir).absolute())
-    for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
+
+    def start() -> bool:
+        ray.init(
+            # "local": a new embedded instance. Without it ray.init() joins the cluster last
+            # started with `ray start` on this machine (/tmp/ray/ray_current_cluster), even one
+            # stopped since, which took down a test process that ran after a Jobs API test.
+            address="local",
+            num_cpus=max(int(logical_cpus(cluster) + 0.999), os.cpu_count() or 1),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level="warning",
+            log_to_driver=True,
+            **kwargs,
+        )
+        return True
+
+    for _ in range(EMBEDDED_START_ATTEMPTS - 1):
         before = _descendants()
         try:
-            ray.init(
-                # "local": a new embedded instance. Without it ray.init() joins the cluster
-                # last started with `ray start` on this machine (/tmp/ray/ray_current_cluster),
-                # even one stopped since, which took down a test process that ran after a Jobs
-                # API test.
-                address="local",
-                num_cpus=max(int(logical_cpus(cluster) + 0.999), os.cpu_count() or 1),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                logging_level="warning",
-                log_to_driver=True,
-                **kwargs,
-            )
-            return True
+            return start()
         except Exception as error:
             # Ray gives a new raylet a fixed 30 s to register with its GCS; on an overloaded
             # machine that can pass. The failed attempt's processes are not Ray's to clean up
-            # any more (ray.shutdown does not know them), so they are stopped here before the
-            # next attempt.
-            if STARTUP_TIMEOUT not in str(error) or attempt == EMBEDDED_START_ATTEMPTS:
+            # any more (ray.shutdown does not know them), so they are stopped here first.
+            if STARTUP_TIMEOUT not in str(error):
                 raise
             _stop(_descendants() - before)
             ray.shutdown()
-    raise AssertionError("unreachable")  # the loop returns or raises
-
-
-#: Attempts at starting an embedded Ray whose raylet timed out registering (Ray's message).
-EMBEDDED_START_ATTEMPTS = 2
-STARTUP_TIMEOUT = "timed out during startup"
+    return start()
 
 
 def _descendants() -> set[int]:
@@ -127,12 +129,10 @@ def _stop(pids: set[int], wait_s: float = 10.0) -> None:
 
     processes = []
     for pid in pids:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             process = psutil.Process(pid)
             process.terminate()
             processes.append(process)
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(processes, timeout=wait_s)
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
