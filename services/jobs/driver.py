@@ -628,6 +628,11 @@ def _supervise(
             except ray.exceptions.GetTimeoutError:
                 watchdog.observe(None)
                 continue
+            except ray.exceptions.RayActorError as error:
+                # The learner died between two looks at its run: its run fails with the
+                # cause a moment later; name the learner either way.
+                _raise_if_learner_failed(run, run_dir=run_dir)
+                raise _learner_failed(error, run_dir) from error
             watchdog.observe(status)
             for line in lines:
                 bar.write(line) if progress else log(line)

@@ -1,0 +1,60 @@
+"""The driver's supervision of a running job names the learner when the learner dies,
+whichever of its calls notices first: its run, or the status call the driver polls between
+looks at that run (a raw Ray error must never reach the user)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from services.jobs.driver import JobFailed, Watchdog, _supervise
+from tests.support.running_job import job_with
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from services.cluster.placement import start_ray
+
+    temp = Path("/tmp") / f"distill-supervise-{os.getpid()}"
+    start_ray(None, job_with().cluster, temp)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_learner_that_dies_under_the_status_call_fails_the_job_naming_the_learner(
+    ray_session,
+):
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class SlowRun:
+        """Stands in for a learner's run that Ray has not yet reported failed."""
+
+        def run(self):
+            time.sleep(120)
+
+    @ray.remote(num_cpus=0)
+    class Learner:
+        def status(self):
+            return {"step": 0}
+
+        def log_lines(self, start):
+            return []
+
+    slow, dead = SlowRun.remote(), Learner.remote()
+    ray.get(dead.status.remote(), timeout=60)
+    ray.kill(dead)
+    learner = SimpleNamespace(run=slow.run, status=dead.status, log_lines=dead.log_lines)
+    try:
+        with pytest.raises(JobFailed, match="(?s)^the learner failed: .*Actor.*rerun the same"):
+            _supervise(learner, {}, 4, 0, False, lambda line: None, Watchdog(None, 0))
+    finally:
+        ray.kill(slow)
