@@ -33,9 +33,19 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 # whole run. Every part runs even when an earlier one failed; any failure fails `make test`.
 TEST_SESSIONS ?= "tests --ignore=tests/services --ignore=tests/e2e" "tests/services"
 ISOLATED_TESTS ?= tests/e2e
+# Compiles dominate the suite on CPU, and its processes (xdist workers, the services session,
+# each end-to-end file and the CLIs it starts) compile many of the same tiny programs: they
+# share one JAX persistent compilation cache, emptied at the start of each run so that no run
+# depends on an earlier one. A size cap turns on JAX's file lock for concurrent writers.
+TEST_JAX_CACHE ?= build/jax-test-cache
 
 test: lint
-	@status=0; for session in $(TEST_SESSIONS); do \
+	@rm -rf $(TEST_JAX_CACHE); \
+	export JAX_COMPILATION_CACHE_DIR="$(abspath $(TEST_JAX_CACHE))" \
+	  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+	  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+	  JAX_COMPILATION_CACHE_MAX_SIZE=4000000000; \
+	status=0; for session in $(TEST_SESSIONS); do \
 	  echo "== pytest $$session"; \
 	  $(PY) -m pytest $(PYTEST_ARGS) $$session || status=1; \
 	done; \

@@ -418,6 +418,16 @@ class RunCheckpointer:
             values = restored.state
             if self._host_local:
                 values = jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), values, live)
+            # An uncommitted live array (default single-device placement) stays uncommitted:
+            # jit keys its cache on committedness, so a resumed phase would compile its step
+            # again.
+            values = jax.tree.map(
+                lambda x, old: (
+                    x if getattr(old, "committed", True) else jax.numpy.asarray(np.asarray(x))
+                ),
+                values,
+                live,
+            )
             nnx.replace_by_pure_dict(target, values)
             nnx.update(state, target)
             return Restored(step, dict(restored.progress), tuple(skipped))

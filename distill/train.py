@@ -55,11 +55,15 @@ class TrainingObjective(Protocol):
     def coefficients(self, plan: Any) -> Mapping[str, jax.Array | float]: ...
 
 
+@functools.cache
 def make_optimizer(
     config: OptimizerConfig, total_steps: int | None = None
 ) -> optax.GradientTransformation:
     """AdamW with linear warm-up, then a constant or cosine-decayed learning rate (the
     cosine needs ``total_steps``), optional global-norm clipping."""
+    # Cached: the transformation is stateless, and one instance per (config, steps) keeps
+    # the optimizer's graphdef (a static jit argument) equal across rebuilds, so a resumed
+    # or re-created phase reuses its compiled step instead of compiling it again.
     if config.schedule == "cosine":
         if total_steps is None or total_steps <= config.warmup_steps:
             raise ValueError(
