@@ -28,7 +28,6 @@ from distill.checkpoint import RunCheckpointer
 from distill.config import load_config
 from distill.opd.records import load_batch
 from distill.teacher import InProcessTeacher
-from services.cluster.placement import start_ray
 from services.common.config import JobSpec
 from services.jobs.driver import run_job
 from tests.support.fakes import TINY_MODELS, TINY_PHASES, set_args
@@ -98,18 +97,6 @@ def in_process(phases, tmp_path_factory):
         log=lambda _: None,
     )
     return run, history
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import ray
-
-    temp = Path("/tmp") / f"distill-ray-{os.getpid()}"
-    job = job_with()
-    start_ray(None, job.cluster, temp)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def distributed(phases, path, *extra):

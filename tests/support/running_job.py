@@ -1,8 +1,8 @@
 """A distributed job of the tiny config run on a thread, with handles on its actors: shared
 by the end-to-end fault, preemption and soak tests and the TPU placement job test.
 
-The end-to-end tests' fixtures over it (``phases``, ``ray_session``) are in
-``tests/e2e/conftest.py``.
+The fixtures over it: ``phases`` in ``tests/e2e/conftest.py``, ``ray_session`` (an embedded
+Ray per module) in ``tests/conftest.py``.
 """
 
 from __future__ import annotations

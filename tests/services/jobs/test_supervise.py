@@ -4,29 +4,12 @@ looks at that run (a raw Ray error must never reach the user)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from services.jobs.driver import JobFailed, Watchdog, _supervise
-from tests.support.running_job import job_with
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from services.cluster.placement import start_ray
-
-    temp = Path("/tmp") / f"distill-supervise-{os.getpid()}"
-    start_ray(None, job_with().cluster, temp)
-    yield ray
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_learner_that_dies_under_the_status_call_fails_the_job_naming_the_learner(
