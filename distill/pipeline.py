@@ -22,6 +22,7 @@ from flax import nnx
 from distill.checkpoint import RunCheckpointer, extend_ledger, read_contract, restored_ledger
 from distill.config import JobConfig, ModelConfig, PhaseConfig
 from distill.cross_tokenizer import CrossTokenizerTeacher
+from distill.curves import CURVES_DIR, CurveWriter
 from distill.data.stream import TaskStream
 from distill.diffusion.objectives import CausalLM, Objective
 from distill.evaluate import EvalReport, evaluate_student, evaluate_teacher
@@ -79,32 +80,39 @@ def _train_phase(
     trainer = Trainer(model, optimizer)
     history: list[dict[str, float]] = []
     end = phase.steps if stop_after is None else min(phase.steps, stop_after)
-    while step < end:
-        segment = min(phase.checkpoint_every - step % phase.checkpoint_every, end - step)
-        history += fit(
-            trainer,
-            objective,
-            stream,
-            tokenizer,
-            steps=segment,
-            horizon=_horizon(job),
-            seed=job.seed,
-            start_step=step,
-            microbatches=phase.optimizer.microbatches,
-            progress=progress,
-        )
-        start, step = step, step + segment
-        ledger = extend_ledger(ledger, start * stream.batch_size, step * stream.batch_size)
-        checkpointer.save(
-            step,
-            (optimizer, model),
-            {
-                "data_position": step * stream.batch_size,
-                "ledger": ledger,
-                "last": history[-1] if history else {},
-            },
-        )
-    checkpointer.close()
+    # Only a phase with steps to run opens a curves file: a finished one is left unchanged.
+    curves = CurveWriter(run_dir / CURVES_DIR, resume_step=step) if step < end else None
+    try:
+        while step < end:
+            segment = min(phase.checkpoint_every - step % phase.checkpoint_every, end - step)
+            history += fit(
+                trainer,
+                objective,
+                stream,
+                tokenizer,
+                steps=segment,
+                horizon=_horizon(job),
+                seed=job.seed,
+                start_step=step,
+                microbatches=phase.optimizer.microbatches,
+                progress=progress,
+                on_step=lambda index, metrics: curves.scalars("train", metrics, index + 1),
+            )
+            start, step = step, step + segment
+            ledger = extend_ledger(ledger, start * stream.batch_size, step * stream.batch_size)
+            checkpointer.save(
+                step,
+                (optimizer, model),
+                {
+                    "data_position": step * stream.batch_size,
+                    "ledger": ledger,
+                    "last": history[-1] if history else {},
+                },
+            )
+    finally:
+        if curves is not None:
+            curves.close()
+        checkpointer.close()
     return history
 
 

@@ -21,6 +21,7 @@ from distill.checkpoint import (
     topology,
 )
 from distill.config import JobConfig, load_config
+from distill.curves import read_curves
 
 SHORT = [
     "teacher.d_model=32",
@@ -62,6 +63,9 @@ def test_three_interruptions_then_resume_is_bitwise_identical_and_exactly_once(
         np.testing.assert_array_equal(got, want)
     progress = json.loads((tmp_path / "checkpoints" / "6" / "progress" / "metadata").read_text())
     assert progress["ledger"] == [[0, 6 * 8]]  # every position once, in order
+    curves = read_curves(tmp_path / "tensorboard")
+    assert [step for step, _ in curves["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert curves == read_curves(uninterrupted[0] / "tensorboard")
 
 
 def test_progress_records_the_trained_data_position(uninterrupted):

@@ -12,6 +12,7 @@ from flax import nnx
 from distill import checkpoint, opd, pipeline
 from distill.checkpoint import ContractMismatch, RunCheckpointer
 from distill.config import JobConfig, load_config
+from distill.curves import read_curves
 from distill.teacher import InProcessTeacher, model_hash
 
 OVERRIDES = [
@@ -77,6 +78,12 @@ def test_interrupted_opd_resumes_bitwise_identical_with_every_sample_trained_onc
     assert got_reports[-1][1] == reports[-1][1]
     progress = json.loads((tmp_path / "checkpoints" / "4" / "progress" / "metadata").read_text())
     assert progress["ledger"] == [[0, 4 * 4]] and progress["policy_version"] == 4
+    # the TensorBoard curves of the three calls are those of the uninterrupted run
+    run = uninterrupted[3]
+    curves = read_curves(tmp_path / "tensorboard")
+    assert [step for step, _ in curves["opd/loss"]] == [1, 2, 3, 4]
+    assert curves == read_curves(run / "tensorboard")
+    assert [step for step, _ in curves["eval/exact_match"]] == [0, 4]
 
 
 def test_a_finished_run_called_again_trains_nothing(uninterrupted):
@@ -84,6 +91,7 @@ def test_a_finished_run_called_again_trains_nothing(uninterrupted):
     _, student = models(job)
     history, again = opd.run_opd(job, student, teacher, tokenizer, run_dir=run, **SILENT)
     assert history == [] and [step for step, _ in again] == [step for step, _ in reports]
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1  # no new file
     for got, want in zip(params(student), expected, strict=True):
         np.testing.assert_array_equal(got, want)
 

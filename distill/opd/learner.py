@@ -35,6 +35,7 @@ from flax import nnx
 from distill.checkpoint import RunCheckpointer, extend_ledger, restored_ledger
 from distill.config import JobConfig, PhaseConfig
 from distill.cross_tokenizer import check_cross_tokenizer_loss
+from distill.curves import CURVES_DIR, CurveWriter
 from distill.data.stream import TaskStream, encode_example
 from distill.data.tasks import Example
 from distill.diffusion.denoise import SamplingSettings, rollout
@@ -389,7 +390,8 @@ def run_opd(
 
     Returns the per-step metrics of the steps run by this call and ``(step, report)``
     evaluations (before training, every ``eval_every`` steps, at the end; a resumed run
-    returns the earlier ones too). ``stop_after`` ends early at that step with a checkpoint
+    returns the earlier ones too). With ``run_dir``, the per-step metrics and evaluations are
+    also written as TensorBoard curves under ``run_dir/tensorboard`` (``opd/*``, ``eval/*``). ``stop_after`` ends early at that step with a checkpoint
     (for tests). ``trace_dir``: keep every trained rollout there (one ``.npz`` per step).
     """
     learner = OpdLearner(
@@ -404,13 +406,24 @@ def run_opd(
         trace_dir=trace_dir,
         log=log,
     )
+    end = learner.phase.steps if stop_after is None else min(learner.phase.steps, stop_after)
+    # Only a run with steps to train opens a curves file: a finished one is left unchanged.
+    curves = (
+        CurveWriter(Path(run_dir) / CURVES_DIR, resume_step=learner.step)
+        if run_dir is not None and learner.step < end
+        else None
+    )
     try:
         if learner.step == 0:
             learner.evaluate()
         history: list[dict[str, float]] = []
-        end = learner.phase.steps if stop_after is None else min(learner.phase.steps, stop_after)
         for _ in tqdm.trange(learner.step, end, disable=not progress, desc="opd", unit="step"):
             history.append(learner.train(learner.roll_out()))
+            if curves is not None:
+                curves.scalars("opd", history[-1], learner.step)
+                curves.evaluations(learner.reports)
+        if curves is not None:
+            curves.evaluations(learner.reports)
         if (
             history
             and learner.step % learner.phase.checkpoint_every
@@ -419,4 +432,6 @@ def run_opd(
             learner.save(history[-1])
         return history, learner.reports
     finally:
+        if curves is not None:
+            curves.close()
         learner.close()

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from distill.curves import CurveWriter
 from distill.opd.learner import OpdLearner
 from distill.opd.records import RolloutBatch
 from distill.teacher_contract import ScoredSequence, Teacher, TeacherInfo
@@ -246,7 +247,6 @@ class LearnerRuntime:
         self._server_config = server_config or ServerConfig()
         self._server: RunningServer | None = None
         self._done = threading.Event()
-        self._written_evaluations = 0  # evaluations already in the TensorBoard files
         # What the training thread does now: "starting", "rollout" (waiting for the traces
         # of ``_stage_step``), "learner" (training; "teacher" while a teacher call runs),
         # "done"; and since when (monotonic seconds).
@@ -329,16 +329,17 @@ class LearnerRuntime:
         """Train until ``end_step``; returns this call's per-step metrics. Any failure
         closes the scheduler (workers get DONE) and is re-raised."""
         learner = self.learner
-        writer = None
-        if self.tensorboard_dir is not None:
-            from tensorboardX import SummaryWriter
-
-            writer = SummaryWriter(str(self.tensorboard_dir))
+        curves = (
+            CurveWriter(self.tensorboard_dir, resume_step=learner.step)
+            if self.tensorboard_dir is not None and learner.step < self.end_step
+            else None
+        )
         try:
             self._set_stage("learner", learner.step)
             if learner.step == 0 and not learner.reports:
                 learner.evaluate()
-            self._write_evaluations(writer)
+            if curves is not None:
+                curves.evaluations(learner.reports)
             while learner.step < self.end_step:
                 step = learner.step
                 waited = time.perf_counter()
@@ -363,10 +364,9 @@ class LearnerRuntime:
                     "dropped_stale_rows": float(self.scheduler.counts.dropped_stale_rows),
                 }
                 self.history.append(metrics)
-                if writer is not None:
-                    for name, value in metrics.items():
-                        writer.add_scalar(f"opd/{name}", value, learner.step)
-                self._write_evaluations(writer)
+                if curves is not None:
+                    curves.scalars("opd", metrics, learner.step)
+                    curves.evaluations(learner.reports)
                 if self.on_metrics is not None:
                     self.on_metrics(metrics | {"queued_rows": float(self.scheduler.queued_rows())})
             if (
@@ -384,18 +384,8 @@ class LearnerRuntime:
             raise
         finally:
             self._done.set()
-            if writer is not None:
-                writer.close()
-
-    def _write_evaluations(self, writer) -> None:
-        if writer is None:
-            return
-        for at, report in self.learner.reports[self._written_evaluations :]:
-            writer.add_scalar("eval/exact_match", report.overall, at)
-            writer.add_scalar("eval/tokens_per_forward", report.tokens_per_forward, at)
-            if report.agree_entropy_bits is not None:
-                writer.add_scalar("eval/agree_entropy_bits", report.agree_entropy_bits, at)
-        self._written_evaluations = len(self.learner.reports)
+            if curves is not None:
+                curves.close()
 
     def stop(self, grace_s: float | None = None) -> None:
         self.scheduler.close("learner stopped")

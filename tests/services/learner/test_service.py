@@ -2,7 +2,6 @@
 refused with INVALID_ARGUMENT naming the field while the service keeps serving, and the
 runtime training what the workers pushed."""
 
-import struct
 import threading
 
 import grpc
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 from distill import pipeline
+from distill.curves import read_curves
 from distill.diffusion.denoise import rollout
 from distill.opd.learner import OpdLearner
 from distill.opd.records import RolloutBatch
@@ -19,22 +19,6 @@ from services.proto import learner_pb2, learner_pb2_grpc
 from services.rollout.messages import rows_to_proto
 from services.rollout.worker import RolloutWorker
 from tests.support.fakes import tiny_job, tiny_models
-
-
-def scalar_tags(directory):
-    """Tags of the scalars in TensorBoard event files (TFRecord: length, crc, data, crc)."""
-    from tensorboardX.proto import event_pb2
-
-    tags = set()
-    for path in directory.glob("events.out.tfevents.*"):
-        data = path.read_bytes()
-        offset = 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset : offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
-            tags |= {value.tag for value in event.summary.value}
-            offset += 12 + length + 4
-    return tags
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +151,7 @@ def test_workers_push_assigned_shards_and_the_runtime_trains_them(service):
     assert status.done and status.step == 2 and not status.error
     assert runtime.learner.ledger == [[0, 2 * job.data.batch_size]]
     assert all(np.isfinite(metrics["loss"]) for metrics in runtime.history)
-    tags = scalar_tags(runtime.tensorboard_dir)
+    tags = set(read_curves(runtime.tensorboard_dir))
     assert {
         "opd/loss",
         "opd/teacher_seconds",
