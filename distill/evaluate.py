@@ -32,7 +32,14 @@ from distill.tokenizer import Tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class EvalReport:
-    """Per-task exact match, overall exact match, tokens per forward and diversity."""
+    """Per-task exact match, overall exact match, tokens per forward and diversity.
+
+    Where the misses are (both against each example's canonical answer, so for a task with
+    several right answers, ``agree``, they are indicative): ``accuracy_by_length`` is each
+    task's exact match by answer length (keys are lengths as strings, JSON's form), and
+    ``misses`` counts the wrong completions by kind: ``stopped_late`` (the answer followed by
+    more), ``stopped_early`` (a proper prefix of it) and ``wrong_symbols`` (the rest).
+    """
 
     accuracy: dict[str, float]
     overall: float
@@ -40,6 +47,8 @@ class EvalReport:
     agree_entropy_bits: float | None
     distinct_fraction: float | None
     count: int
+    accuracy_by_length: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    misses: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -87,15 +96,25 @@ def distinct_per_prompt(completions: Sequence[str], samples_per_prompt: int) -> 
     return float(np.mean([len(set(group)) / samples_per_prompt for group in groups]))
 
 
-def _report(
+def score_completions(
     examples: Sequence[Example],
     completions: Sequence[str],
     tokens_per_forward: float,
     samples_per_prompt: int,
 ) -> EvalReport:
+    """Verify each completion (stop-cut answer text) against its example and summarise;
+    ``completions[i]`` answers ``examples[i]`` (each prompt's samples consecutive)."""
     hits: dict[str, list[bool]] = collections.defaultdict(list)
+    by_length: dict[str, dict[int, list[bool]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list)
+    )
+    misses = dict.fromkeys(MISS_KINDS, 0)
     for example, text in zip(examples, completions, strict=True):
-        hits[example.task].append(verify(example, text))
+        hit = verify(example, text)
+        hits[example.task].append(hit)
+        by_length[example.task][len(example.answer)].append(hit)
+        if not hit:
+            misses[miss_kind(example.answer, text)] += 1
     all_hits = [hit for task_hits in hits.values() for hit in task_hits]
     return EvalReport(
         accuracy={task: float(np.mean(task_hits)) for task, task_hits in sorted(hits.items())},
@@ -104,7 +123,26 @@ def _report(
         agree_entropy_bits=free_choice_entropy_bits(examples, completions),
         distinct_fraction=distinct_per_prompt(completions, samples_per_prompt),
         count=len(all_hits),
+        accuracy_by_length={
+            task: {str(length): float(np.mean(h)) for length, h in sorted(lengths.items())}
+            for task, lengths in sorted(by_length.items())
+        },
+        misses=misses,
     )
+
+
+MISS_KINDS = ("stopped_late", "stopped_early", "wrong_symbols")
+
+
+def miss_kind(answer: str, text: str) -> str:
+    """How a wrong completion ``text`` differs from the canonical ``answer``: one of
+    :data:`MISS_KINDS` (``stopped_late``: the answer then more; ``stopped_early``: a proper
+    prefix of the answer; ``wrong_symbols``: anything else)."""
+    if len(text) > len(answer) and text.startswith(answer):
+        return "stopped_late"
+    if len(text) < len(answer) and answer.startswith(text):
+        return "stopped_early"
+    return "wrong_symbols"
 
 
 def _repeat(examples: Sequence[Example], times: int) -> list[Example]:
@@ -146,7 +184,7 @@ def evaluate_teacher(
         greedy=greedy,
     )
     texts = [completion_text(tokenizer, ids) for ids in sample.completions()]
-    return _report(examples, texts, 1.0, samples_per_prompt)
+    return score_completions(examples, texts, 1.0, samples_per_prompt)
 
 
 def evaluate_student(
@@ -164,7 +202,7 @@ def evaluate_student(
     prompts = [encode_example(example, tokenizer)[0] for example in examples]
     trace = rollout(model, prompts, settings, seed=seed, global_step=global_step, mode="eval")
     texts = [completion_text(tokenizer, ids) for ids in trace.completions()]
-    return _report(examples, texts, trace.tokens_per_forward(), samples_per_prompt)
+    return score_completions(examples, texts, trace.tokens_per_forward(), samples_per_prompt)
 
 
 # ---- parallelism: decoding settings and the accuracy-parallelism summary -------------------

@@ -16,7 +16,9 @@ from distill.evaluate import (
     aup_weight,
     distinct_per_prompt,
     free_choice_entropy_bits,
+    miss_kind,
     schedule_steps_for,
+    score_completions,
 )
 
 
@@ -89,6 +91,27 @@ def test_free_choice_entropy_counts_correct_agree_answers_only():
     assert free_choice_entropy_bits([example] * 6, texts) == pytest.approx(2.0)
     assert free_choice_entropy_bits([example] * 2, ["aaa", "aaa"]) == 0.0
     assert free_choice_entropy_bits([example], ["abc"]) is None
+
+
+def test_misses_are_split_into_late_stops_early_stops_and_wrong_symbols():
+    assert miss_kind("abcd", "abcdd") == "stopped_late"
+    assert miss_kind("abcd", "abc") == "stopped_early"
+    assert miss_kind("abcd", "") == "stopped_early"
+    assert miss_kind("abcd", "abxd") == "wrong_symbols"
+    assert miss_kind("abcd", "abxdd") == "wrong_symbols"
+
+
+def test_the_report_gives_accuracy_by_answer_length_and_counts_each_miss_once():
+    short = Example("copy", "copy:ab|", "ab", 0)
+    long = Example("copy", "copy:abcd|", "abcd", 1)
+    other = Example("reverse", "reverse:ab|", "ba", 2)
+    report = score_completions(
+        [short, short, long, long, other], ["ab", "abb", "abcd", "ab", "ba"], 3.0, 1
+    )
+    assert report.accuracy == {"copy": 0.5, "reverse": 1.0}
+    assert report.accuracy_by_length == {"copy": {"2": 0.5, "4": 0.5}, "reverse": {"2": 1.0}}
+    assert report.misses == {"stopped_late": 1, "stopped_early": 1, "wrong_symbols": 0}
+    assert report.count == 5 and report.tokens_per_forward == 3.0
 
 
 @pytest.mark.parametrize(
