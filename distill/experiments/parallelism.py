@@ -277,14 +277,14 @@ def _point(rule: str, setting: float | int | str, report: Any) -> dict[str, Any]
     return {"rule": rule, "setting": setting, **report.to_dict()}
 
 
-class _Phases:
+class Phases:
     """The shared phases of a run, each computed once per process and resumed from disk."""
 
     def __init__(self, run_dir: Path, config: ExperimentConfig, log: Log):
         self.run_dir, self.config, self.log = run_dir, config, log
         self._teachers: dict[tuple[str, int], Any] = {}
 
-    def _examples(self, job: Any) -> list[Any]:
+    def eval_examples(self, job: Any) -> list[Any]:
         from distill.data.stream import TaskStream
 
         return TaskStream(job.data, split="eval").batch(0, self.config.eval_prompts)
@@ -308,7 +308,7 @@ class _Phases:
                 report = evaluate_teacher(
                     model,
                     job_teacher_tokenizer(job),
-                    self._examples(job),
+                    self.eval_examples(job),
                     horizon=completion_length(job),
                     seed=seed,
                     samples_per_prompt=self.config.samples,
@@ -337,7 +337,7 @@ class _Phases:
 
         plan = JobPlan.from_job(job)
         base = plan.settings
-        examples = self._examples(job)
+        examples = self.eval_examples(job)
         block = job.student.block_size
         points = []
 
@@ -360,7 +360,7 @@ class _Phases:
         return points
 
 
-def run_cell(phases: _Phases, spec: str, objective: str, loss: str, seed: int) -> dict[str, Any]:
+def run_cell(phases: Phases, spec: str, objective: str, loss: str, seed: int) -> dict[str, Any]:
     """Train (or resume) and evaluate one cell; returns its record."""
     from distill.job import job_tokenizer
     from distill.opd import run_opd
@@ -433,7 +433,7 @@ def run(
         cell_job(*cell, config)
     bar = tqdm.tqdm(grid, disable=not progress, desc="cells", unit="cell")
     say = log or (bar.write if progress else (lambda message: None))
-    phases = _Phases(run_dir, config, say)
+    phases = Phases(run_dir, config, say)
     for cell in bar:
         name = cell_name(*cell)
         path = run_dir / "cells" / f"{name}.json"

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from distill.experiments import parallelism as experiment
+from distill.experiments.reevaluate import reevaluate, table
 
 TINY = (
     "teacher.d_model=32",
@@ -97,6 +98,31 @@ def finished(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("parallelism")
     cells = experiment.run(CONFIG, run_dir, progress=False, log=lambda message: None, **GRID)
     return run_dir, cells
+
+
+@pytest.mark.slow
+def test_reevaluation_scores_the_finished_cell_on_more_prompts_and_trains_nothing(finished):
+    run_dir, _ = finished
+    checkpoints = run_dir / "opd" / CELL / "checkpoints"
+    before = sorted(path.name for path in checkpoints.iterdir())
+    quiet = dict(prompts=3, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
+    record = reevaluate(run_dir, **quiet)[CELL]
+    assert (record["prompts"], record["samples"], record["teacher"]["count"]) == (3, 2, 6)
+    assert [(p["rule"], p["setting"], p["count"]) for p in record["points"]] == [
+        ("schedule", 16, 6),
+        ("threshold", 0.9, 6),
+    ]
+    assert set(record["points"][0]["misses"]) == {"stopped_late", "stopped_early", "wrong_symbols"}
+    assert sorted(path.name for path in checkpoints.iterdir()) == before
+    saved = run_dir / "reevaluations" / f"{CELL}__3x2.json"
+    assert json.loads(saved.read_text()) == record
+    assert reevaluate(run_dir, **quiet)[CELL] == record  # reused, not recomputed
+    assert CELL in table({CELL: record}) and "schedule 16" in table({CELL: record})
+
+
+def test_reevaluation_refuses_a_directory_that_is_not_a_parallelism_run(tmp_path):
+    with pytest.raises(experiment.ExperimentError, match="`run_dir` must hold"):
+        reevaluate(tmp_path, prompts=3, samples=2, ks=[16], thresholds=[0.9])
 
 
 @pytest.mark.slow

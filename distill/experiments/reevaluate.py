@@ -1,0 +1,178 @@
+"""Re-evaluate the finished cells of a parallelism run on a larger eval set; trains nothing.
+
+The grid's own evaluation (``--eval-prompts`` x ``--samples``: 128 completions by default)
+cannot resolve one point of exact match (one completion is 0.8 points). This loads each
+finished cell's teacher and final student from the run directory and evaluates both on the
+first ``--prompts`` eval prompts (a superset of the grid's) x ``--samples``, at the given
+schedule points and thresholds, at temperature 1 with the cell's seed::
+
+    python -m distill.experiments.reevaluate --run-dir runs/parallelism/copy \\
+        --prompts 256 --samples 4 --ks 8 16 --thresholds 0.9
+
+Each cell's record goes to ``reevaluations/<cell>__<prompts>x<samples>.json`` (reused when
+present) and a markdown table is printed. Only cells with a record in ``cells/`` are read,
+so an unfinished OPD run is never trained from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from distill.experiments.parallelism import (
+    FORMAT,
+    LOSS_VARIANTS,
+    ExperimentConfig,
+    Phases,
+    cell_job,
+    cell_name,
+    load_cells,
+)
+from distill.experiments.run_dir import ExperimentError, error, read_json, write_json
+
+Log = Callable[[str], None]
+
+
+def run_config(run_dir: Path) -> ExperimentConfig:
+    """The configuration a parallelism run directory was started with."""
+    stored = read_json(run_dir / "experiment.json")
+    if stored is None or stored.get("format") != FORMAT:
+        found = None if stored is None else stored.get("format")
+        raise error("run_dir", f"hold a {FORMAT} run (experiment.json)", found)
+    config = dict(stored["config"])
+    for name in ("ks", "thresholds", "overrides"):
+        config[name] = tuple(config[name])
+    return ExperimentConfig(**config)
+
+
+def reevaluate_cell(
+    run_dir: Path,
+    trained: ExperimentConfig,
+    evaluation: ExperimentConfig,
+    cell: dict[str, Any],
+    log: Log,
+) -> dict[str, Any]:
+    """Load one finished cell's teacher and final student (the jobs of the ``trained``
+    configuration, whose contracts the run directory holds) and evaluate both with the
+    ``evaluation`` configuration's eval set (``eval_prompts`` x ``samples``, ``ks``,
+    ``thresholds``)."""
+    from distill.evaluate import evaluate_teacher
+    from distill.job import completion_length, job_teacher_tokenizer, job_tokenizer
+    from distill.opd import run_opd
+    from distill.pipeline import in_process_teacher, load_teacher_run
+
+    spec, objective, loss, seed = cell["task"], cell["objective"], cell["loss"], cell["seed"]
+    job = cell_job(spec, objective, loss, seed, trained)
+    evaluating = Phases(run_dir, evaluation, log)
+    teacher = load_teacher_run(job, run_dir / "teachers" / f"{spec}__seed{seed}")
+    teacher_report = evaluate_teacher(
+        teacher,
+        job_teacher_tokenizer(job),
+        evaluating.eval_examples(job),
+        horizon=completion_length(job),
+        seed=seed,
+        samples_per_prompt=evaluation.samples,
+    )
+    student = Phases(run_dir, trained, log).warm_student(spec, objective, seed, job, teacher)
+    if LOSS_VARIANTS[loss].opd:
+        # A finished OPD run is restored and trains nothing (its cell record exists).
+        run_opd(
+            job,
+            student,
+            in_process_teacher(job, teacher),
+            job_tokenizer(job),
+            run_dir=run_dir / "opd" / cell_name(spec, objective, loss, seed),
+            progress=False,
+            log=log,
+        )
+    return {
+        "cell": cell,
+        "prompts": evaluation.eval_prompts,
+        "samples": evaluation.samples,
+        "teacher": teacher_report.to_dict(),
+        "points": evaluating.evaluate(job, student, seed),
+    }
+
+
+def reevaluate(
+    run_dir: str | Path,
+    *,
+    prompts: int,
+    samples: int,
+    ks: Sequence[int],
+    thresholds: Sequence[float],
+    log: Log = print,
+) -> dict[str, dict[str, Any]]:
+    """Re-evaluate every finished cell of ``run_dir``; returns the records by cell name."""
+    run_dir = Path(run_dir)
+    trained = run_config(run_dir)
+    evaluation = dataclasses.replace(
+        trained,
+        eval_prompts=prompts,
+        samples=samples,
+        ks=tuple(ks),
+        thresholds=tuple(thresholds),
+    )
+    records = {}
+    for name, record in load_cells(run_dir).items():
+        path = run_dir / "reevaluations" / f"{name}__{prompts}x{samples}.json"
+        stored = read_json(path)
+        if stored is None:
+            stored = reevaluate_cell(run_dir, trained, evaluation, record["cell"], log)
+            write_json(path, stored)
+            log(f"wrote {path}")
+        records[name] = stored
+    return records
+
+
+def table(records: dict[str, dict[str, Any]]) -> str:
+    """One markdown row per cell: the teacher, then each point's exact match (tokens per
+    forward) and its miss kinds."""
+    lines = []
+    for name, record in records.items():
+        if not lines:
+            heads = [f"{p['rule']} {p['setting']}" for p in record["points"]]
+            lines.append("| cell | completions | teacher | " + " | ".join(heads) + " |")
+            lines.append("|---" * (3 + len(heads)) + "|")
+        cells = [
+            f"{p['overall']:.3f} ({p['tokens_per_forward']:.2f}; misses {p.get('misses', {})})"
+            for p in record["points"]
+        ]
+        teacher = record["teacher"]["overall"]
+        count = record["teacher"]["count"]
+        lines.append(f"| {name} | {count} | {teacher:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m distill.experiments.reevaluate",
+        description="Re-evaluate a parallelism run's finished cells on more eval prompts.",
+    )
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--ks", nargs="+", type=int, default=[8, 16])
+    parser.add_argument("--thresholds", nargs="+", type=float, default=[0.9])
+    args = parser.parse_args(argv)
+    try:
+        records = reevaluate(
+            args.run_dir,
+            prompts=args.prompts,
+            samples=args.samples,
+            ks=args.ks,
+            thresholds=args.thresholds,
+        )
+    except ExperimentError as failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return 2
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
