@@ -289,9 +289,21 @@ class Phases:
 
         return TaskStream(job.data, split="eval").batch(0, self.config.eval_prompts)
 
-    def teacher(self, spec: str, seed: int, job: Any) -> tuple[Any, dict[str, Any]]:
+    def evaluate_teacher(self, job: Any, model: Any, seed: int) -> Any:
+        """The causal teacher's :class:`~distill.evaluate.EvalReport` on this run's eval set."""
         from distill.evaluate import evaluate_teacher
         from distill.job import completion_length, job_teacher_tokenizer
+
+        return evaluate_teacher(
+            model,
+            job_teacher_tokenizer(job),
+            self.eval_examples(job),
+            horizon=completion_length(job),
+            seed=seed,
+            samples_per_prompt=self.config.samples,
+        )
+
+    def teacher(self, spec: str, seed: int, job: Any) -> tuple[Any, dict[str, Any]]:
         from distill.pipeline import load_teacher_run, train_teacher
 
         key = (spec, seed)
@@ -305,15 +317,7 @@ class Phases:
             path = directory / "experiment-eval.json"
             record = read_json(path)
             if record is None:
-                report = evaluate_teacher(
-                    model,
-                    job_teacher_tokenizer(job),
-                    self.eval_examples(job),
-                    horizon=completion_length(job),
-                    seed=seed,
-                    samples_per_prompt=self.config.samples,
-                )
-                record = report.to_dict()
+                record = self.evaluate_teacher(job, model, seed).to_dict()
                 write_json(path, record)
             self._teachers[key] = (model, record)
         return self._teachers[key]

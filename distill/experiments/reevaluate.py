@@ -60,8 +60,7 @@ def reevaluate_cell(
     configuration, whose contracts the run directory holds) and evaluate both with the
     ``evaluation`` configuration's eval set (``eval_prompts`` x ``samples``, ``ks``,
     ``thresholds``)."""
-    from distill.evaluate import evaluate_teacher
-    from distill.job import completion_length, job_teacher_tokenizer, job_tokenizer
+    from distill.job import job_tokenizer
     from distill.opd import run_opd
     from distill.pipeline import in_process_teacher, load_teacher_run
 
@@ -69,14 +68,7 @@ def reevaluate_cell(
     job = cell_job(spec, objective, loss, seed, trained)
     evaluating = Phases(run_dir, evaluation, log)
     teacher = load_teacher_run(job, run_dir / "teachers" / f"{spec}__seed{seed}")
-    teacher_report = evaluate_teacher(
-        teacher,
-        job_teacher_tokenizer(job),
-        evaluating.eval_examples(job),
-        horizon=completion_length(job),
-        seed=seed,
-        samples_per_prompt=evaluation.samples,
-    )
+    teacher_report = evaluating.evaluate_teacher(job, teacher, seed)
     student = Phases(run_dir, trained, log).warm_student(spec, objective, seed, job, teacher)
     if LOSS_VARIANTS[loss].opd:
         # A finished OPD run is restored and trains nothing (its cell record exists).
