@@ -170,9 +170,9 @@ def test_a_preempted_host_of_a_rollout_slice_drops_that_slice_and_the_job_finish
         assert info["node_id"] == nodes[slice_of[index], host].node_id
         assert info["process_id"] == host and info["process_count"] == HOSTS
         assert info["endpoint"] == (host == 0)
-    assert f"== rollout-1 on TPU slice {slice_of[1]!r} (pod type {POD_TYPE}): 2 host(s)" in (
-        running.lines
-    )
+    # The driver logs a group's line after the group's actors answer: wait for it.
+    placed = f"== rollout-1 on TPU slice {slice_of[1]!r} (pod type {POD_TYPE}): 2 host(s)"
+    wait_for(lambda: placed in running.lines, "the driver's rollout-1 placement line", running)
     endpoint = world[1, 0]["pid"]
     running.wait_status(lambda s: s["step"] >= 2, "step 2 to train")
     # Freeze rollout-1's worker once it holds a shard, then take its slice's host 1 away.
