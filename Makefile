@@ -7,7 +7,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: setup test lint format demo bench proto clean cluster-up cluster-down teacher-gguf
+.PHONY: setup test test-fast lint format demo bench proto clean cluster-up cluster-down teacher-gguf
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ test: lint
 	  echo "== pytest, a process per file: $(ISOLATED_TESTS)"; \
 	  $(PY) -m tests.support.isolated --jobs 2 $(ISOLATED_TESTS) || status=1; \
 	fi; exit $$status
+
+# The quick loop while working: lint, then the unit and services sessions without the tests
+# marked slow (training and end-to-end runs) and without the end-to-end files. `make test`
+# (and CI) runs everything.
+test-fast:
+	@$(MAKE) --no-print-directory test ISOLATED_TESTS= PYTEST_ARGS='$(PYTEST_ARGS) -m "not slow"'
 
 demo: setup
 	$(PY) -m services.demo $(DEMO_ARGS)

@@ -373,6 +373,7 @@ def opd_run(trained):
     return learner, [learner.train(learner.roll_out()) for _ in range(OPD_STEPS)]
 
 
+@pytest.mark.slow  # trains a teacher, then OPD: ~90 s, nearly all compiles
 def test_an_opd_run_across_tokenizers_trains(opd_run):
     learner, history = opd_run
     assert learner.cross_tokenizer and learner.top_k is None
@@ -387,6 +388,7 @@ def test_an_opd_run_across_tokenizers_trains(opd_run):
     assert all(metrics["invalid_rows"] >= metrics["refused_rows"] for metrics in history)
 
 
+@pytest.mark.slow  # shares the trained OPD run
 def test_a_row_that_does_not_detokenize_is_refused_and_counted(opd_run):
     learner, _ = opd_run
     batch = learner.roll_out()

@@ -27,6 +27,14 @@ def layouts(draw):
     return layout, draw(st.integers(0, 2**16)), draw(st.sampled_from(CONTRACTS))
 
 
+# One compiled program per example instead of an eager dispatch per op (27 s -> 19 s for the
+# 40 examples alone). Training calls `corrupt` under jit too; min_noise is validated in
+# Python, so it is static.
+jitted_corrupt = jax.jit(
+    corrupt, static_argnames=("alignment", "canvas", "min_noise", "mask_id", "antithetic")
+)
+
+
 @settings(max_examples=40, deadline=None)
 @given(layouts(), st.floats(0.01, 1.0))
 def test_corruption_masks_nest_and_padding_is_inert(case, min_noise):
@@ -34,7 +42,7 @@ def test_corruption_masks_nest_and_padding_is_inert(case, min_noise):
     # Refused (test_one_slot_blocks_under_seed_and_mask_are_refused): all anchors.
     assume(not (canvas == "seed_and_mask" and layout.block_size == 1))
     keys = jax.random.split(jax.random.key(seed), layout.tokens.shape[0])
-    result = corrupt(
+    result = jitted_corrupt(
         layout, keys, alignment=alignment_name, canvas=canvas, min_noise=min_noise, mask_id=1
     )
     valid = np.asarray(layout.segment_ids) != 0
