@@ -38,7 +38,10 @@ class EvalReport:
     several right answers, ``agree``, they are indicative): ``accuracy_by_length`` is each
     task's exact match by answer length (keys are lengths as strings, JSON's form), and
     ``misses`` counts the wrong completions by kind: ``stopped_late`` (the answer followed by
-    more), ``stopped_early`` (a proper prefix of it) and ``wrong_symbols`` (the rest).
+    more), ``stopped_early`` (a proper prefix of it) and ``wrong_symbols`` (the rest);
+    ``first_miss_at`` counts the wrong completions by the answer index of their first wrong
+    character (:func:`first_miss_index`; keys as strings), which shows a positional blind
+    spot (every miss at one index) that the length table cannot.
     """
 
     accuracy: dict[str, float]
@@ -49,6 +52,7 @@ class EvalReport:
     count: int
     accuracy_by_length: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     misses: dict[str, int] = dataclasses.field(default_factory=dict)
+    first_miss_at: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -109,12 +113,14 @@ def score_completions(
         lambda: collections.defaultdict(list)
     )
     misses = dict.fromkeys(MISS_KINDS, 0)
+    first_miss_at: collections.Counter[int] = collections.Counter()
     for example, text in zip(examples, completions, strict=True):
         hit = verify(example, text)
         hits[example.task].append(hit)
         by_length[example.task][len(example.answer)].append(hit)
         if not hit:
             misses[miss_kind(example.answer, text)] += 1
+            first_miss_at[first_miss_index(example.answer, text)] += 1
     all_hits = [hit for task_hits in hits.values() for hit in task_hits]
     return EvalReport(
         accuracy={task: float(np.mean(task_hits)) for task, task_hits in sorted(hits.items())},
@@ -128,6 +134,7 @@ def score_completions(
             for task, lengths in sorted(by_length.items())
         },
         misses=misses,
+        first_miss_at={str(index): n for index, n in sorted(first_miss_at.items())},
     )
 
 
@@ -143,6 +150,18 @@ def miss_kind(answer: str, text: str) -> str:
     if len(text) < len(answer) and answer.startswith(text):
         return "stopped_early"
     return "wrong_symbols"
+
+
+def first_miss_index(answer: str, text: str) -> int:
+    """The index of the first character where ``text`` departs from the canonical
+    ``answer``: the first differing index, else the shorter length (a late stop misses at
+    ``len(answer)``, an early one at ``len(text)``). Equal strings have no miss: ValueError."""
+    if text == answer:
+        raise ValueError(f"`text` must differ from `answer`; received {text!r} for both")
+    for index, (expected, produced) in enumerate(zip(answer, text, strict=False)):
+        if expected != produced:
+            return index
+    return min(len(answer), len(text))
 
 
 def _repeat(examples: Sequence[Example], times: int) -> list[Example]:

@@ -15,6 +15,7 @@ from distill.evaluate import (
     aup,
     aup_weight,
     distinct_per_prompt,
+    first_miss_index,
     free_choice_entropy_bits,
     miss_kind,
     schedule_steps_for,
@@ -101,6 +102,16 @@ def test_misses_are_split_into_late_stops_early_stops_and_wrong_symbols():
     assert miss_kind("abcd", "abxdd") == "wrong_symbols"
 
 
+def test_the_first_miss_index_is_where_the_completion_departs_from_the_answer():
+    assert first_miss_index("abcd", "abxd") == 2
+    assert first_miss_index("abcd", "abdd") == 2  # a skipped letter
+    assert first_miss_index("abcd", "abcdd") == 4  # a late stop misses at the answer's end
+    assert first_miss_index("abcd", "ab") == 2
+    assert first_miss_index("abcd", "") == 0
+    with pytest.raises(ValueError, match="`text` must differ from `answer`"):
+        first_miss_index("abcd", "abcd")
+
+
 def test_the_report_gives_accuracy_by_answer_length_and_counts_each_miss_once():
     short = Example("copy", "copy:ab|", "ab", 0)
     long = Example("copy", "copy:abcd|", "abcd", 1)
@@ -111,6 +122,7 @@ def test_the_report_gives_accuracy_by_answer_length_and_counts_each_miss_once():
     assert report.accuracy == {"copy": 0.5, "reverse": 1.0}
     assert report.accuracy_by_length == {"copy": {"2": 0.5, "4": 0.5}, "reverse": {"2": 1.0}}
     assert report.misses == {"stopped_late": 1, "stopped_early": 1, "wrong_symbols": 0}
+    assert report.first_miss_at == {"2": 2}
     assert report.count == 5 and report.tokens_per_forward == 3.0
 
 

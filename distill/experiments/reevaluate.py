@@ -123,7 +123,7 @@ def reevaluate(
 
 def table(records: dict[str, dict[str, Any]]) -> str:
     """One markdown row per cell: the teacher, then each point's exact match (tokens per
-    forward) and its miss kinds."""
+    forward), its miss kinds and where the misses start."""
     lines = []
     for name, record in records.items():
         if not lines:
@@ -131,7 +131,8 @@ def table(records: dict[str, dict[str, Any]]) -> str:
             lines.append("| cell | completions | teacher | " + " | ".join(heads) + " |")
             lines.append("|---" * (3 + len(heads)) + "|")
         cells = [
-            f"{p['overall']:.3f} ({p['tokens_per_forward']:.2f}; misses {p.get('misses', {})})"
+            f"{p['overall']:.3f} ({p['tokens_per_forward']:.2f}; misses {p.get('misses', {})}; "
+            f"first wrong index {p.get('first_miss_at', {})})"
             for p in record["points"]
         ]
         teacher = record["teacher"]["overall"]
