@@ -52,9 +52,6 @@ from services.rollout.messages import batches_from_rows
 SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
 
 Publish = Callable[[int, dict[str, Any]], None]
-# How long AcquireWork holds a WAIT back for work to appear (bounded, so a worker still
-# checks its stop flag regularly).
-_LONG_POLL_S = 1.0
 
 
 class TimedTeacher:
@@ -151,7 +148,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     def AcquireWork(self, request: learner_pb2.WorkRequest, context: grpc.ServicerContext):
         # The worker id is stable across a worker's restarts: what it still holds is lost.
         assignment = self.runtime.scheduler.acquire(
-            wait_s=_LONG_POLL_S, worker_id=request.worker_id
+            wait_s=self.runtime.acquire_wait_s, worker_id=request.worker_id
         )
         kinds = {
             WorkKind.WORK: learner_pb2.WorkAssignment.WORK,
@@ -208,7 +205,9 @@ class LearnerRuntime:
     """A learner behind its service (module docstring). ``shards_per_step``: how many pieces
     each step's rows are cut into (one per rollout worker is a good default).
     ``step_timeout_s``: how long a step may wait for its rollouts. ``end_step``: stop there
-    (default: the phase's steps). ``tensorboard_dir``: where training curves are written."""
+    (default: the phase's steps). ``tensorboard_dir``: where training curves are written.
+    ``acquire_wait_s``: how long ``AcquireWork`` holds a WAIT back for work to appear
+    (bounded, so a worker still checks its stop flag regularly)."""
 
     def __init__(
         self,
@@ -222,9 +221,13 @@ class LearnerRuntime:
         end_step: int | None = None,
         tensorboard_dir: str | Path | None = None,
         on_metrics: Callable[[dict[str, float]], None] | None = None,
+        acquire_wait_s: float = 1.0,
     ):
         if not step_timeout_s > 0:
             raise ValueError(f"`step_timeout_s` must be > 0; received {step_timeout_s}")
+        if not 0 < acquire_wait_s <= 60:
+            raise ValueError(f"`acquire_wait_s` must be in (0, 60]; received {acquire_wait_s}")
+        self.acquire_wait_s = acquire_wait_s
         self.learner = learner
         self.publish = publish
         self.end_step = learner.phase.steps if end_step is None else end_step

@@ -84,6 +84,8 @@ def learner():
         shards_per_step=2,
         publish=lambda version, weights: None,
         server_config=ServerConfig(token=TOKEN, max_message_bytes=LEARNER_MAX_BYTES),
+        # a fuzzed AcquireWork that gets WAIT need not hold the test for the default second
+        acquire_wait_s=0.05,
     )
     address = runtime.start()
     trace = rollout(

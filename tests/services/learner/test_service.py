@@ -163,3 +163,17 @@ def test_workers_push_assigned_shards_and_the_runtime_trains_them(service):
     assert done.kind == learner_pb2.WorkAssignment.DONE
     for worker in workers:
         worker.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("step_timeout_s", 0.0), ("acquire_wait_s", 0.0), ("acquire_wait_s", 61.0)]
+)
+def test_the_runtime_refuses_waits_out_of_range_naming_the_field(service, field, value):
+    _, runtime, _, _, _ = service
+    with pytest.raises(ValueError, match=f"`{field}` must"):
+        LearnerRuntime(
+            runtime.learner,
+            shards_per_step=2,
+            publish=lambda version, weights: None,
+            **{field: value},
+        )
