@@ -66,6 +66,9 @@ def logical_cpus(cluster: ClusterConfig) -> float:
 #: Attempts at starting an embedded Ray whose raylet timed out registering (Ray's message).
 EMBEDDED_START_ATTEMPTS = 2
 STARTUP_TIMEOUT = "timed out during startup"
+#: How long an embedded start waits for its GCS to bind (Ray's setting; its default is 30 s).
+GCS_PORT_WAIT_VARIABLE = "RAY_gcs_server_port_wait_time_s"
+EMBEDDED_GCS_PORT_WAIT_S = 120
 
 
 def start_ray(address: str | None, cluster: ClusterConfig, temp_dir: str | Path | None) -> bool:
@@ -82,6 +85,10 @@ def start_ray(address: str | None, cluster: ClusterConfig, temp_dir: str | Path 
     if address is not None:
         ray.init(address=address, logging_level="warning", log_to_driver=True)
         return False
+    # Ray waits 30 s for a new GCS to write its port; on a loaded machine (CI's two cores
+    # under a parallel test session) that passed and failed the start. An operator's own
+    # setting is kept.
+    os.environ.setdefault(GCS_PORT_WAIT_VARIABLE, str(EMBEDDED_GCS_PORT_WAIT_S))
     kwargs: dict[str, Any] = {}
     if temp_dir is not None:
         Path(temp_dir).mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """The embedded Ray start retries once after Ray's raylet-registration timeout, stopping what
-the failed attempt left running; any other failure (or a second timeout) is raised as is.
+the failed attempt left running; any other failure (or a second timeout) is raised as is. It
+gives its GCS 120 s (not Ray's 30) to bind unless the operator set that wait.
 
 Ray's own timeout (a fixed 30 s for a new raylet to register, hit on an overloaded machine)
 cannot be provoked on demand, so ``ray.init`` is replaced here by one that starts a process
@@ -17,6 +18,7 @@ import ray
 from services.cluster import placement
 from services.common.config import ClusterConfig
 
+GCS = placement.GCS_PORT_WAIT_VARIABLE
 TIMEOUT_MESSAGE = (
     "The current node timed out during startup. This could happen because some of the "
     "raylet failed to startup or the GCS has become overloaded."
@@ -80,3 +82,18 @@ def test_any_other_start_failure_is_not_retried(flaky, tmp_path):
     assert len(init.calls) == 1
     init.left_behind[0].kill()
     init.left_behind[0].wait(timeout=30)
+
+
+def test_an_embedded_start_gives_its_gcs_longer_to_bind_unless_the_operator_set_it(
+    flaky, tmp_path, monkeypatch
+):
+    seen = []
+    init = flaky(failures=0)
+    monkeypatch.setattr(
+        ray, "init", lambda **kwargs: seen.append(placement.os.environ.get(GCS)) or init(**kwargs)
+    )
+    monkeypatch.delenv(GCS, raising=False)
+    placement.start_ray(None, ClusterConfig(), tmp_path / "ray")
+    monkeypatch.setenv(GCS, "45")
+    placement.start_ray(None, ClusterConfig(), tmp_path / "ray")
+    assert seen == [str(placement.EMBEDDED_GCS_PORT_WAIT_S), "45"]
