@@ -49,26 +49,19 @@ def run_config(run_dir: Path) -> ExperimentConfig:
     return ExperimentConfig(**config)
 
 
-def reevaluate_cell(
-    run_dir: Path,
-    trained: ExperimentConfig,
-    evaluation: ExperimentConfig,
-    cell: dict[str, Any],
-    log: Log,
-) -> dict[str, Any]:
-    """Load one finished cell's teacher and final student (the jobs of the ``trained``
-    configuration, whose contracts the run directory holds) and evaluate both with the
-    ``evaluation`` configuration's eval set (``eval_prompts`` x ``samples``, ``ks``,
-    ``thresholds``)."""
+def finished_cell(
+    run_dir: Path, trained: ExperimentConfig, cell: dict[str, Any], log: Log
+) -> tuple[Any, Any, Any]:
+    """``(job, teacher, student)`` of one finished cell: its job under the ``trained``
+    configuration (whose contracts the run directory holds), its teacher and its final
+    student (restored; nothing is trained: the cell's record exists)."""
     from distill.job import job_tokenizer
     from distill.opd import run_opd
     from distill.pipeline import in_process_teacher, load_teacher_run
 
     spec, objective, loss, seed = cell["task"], cell["objective"], cell["loss"], cell["seed"]
     job = cell_job(spec, objective, loss, seed, trained)
-    evaluating = Phases(run_dir, evaluation, log)
     teacher = load_teacher_run(job, run_dir / "teachers" / f"{spec}__seed{seed}")
-    teacher_report = evaluating.evaluate_teacher(job, teacher, seed)
     student = Phases(run_dir, trained, log).warm_student(spec, objective, seed, job, teacher)
     if LOSS_VARIANTS[loss].opd:
         # A finished OPD run is restored and trains nothing (its cell record exists).
@@ -81,12 +74,42 @@ def reevaluate_cell(
             progress=False,
             log=log,
         )
+    return job, teacher, student
+
+
+def reevaluate_cell(
+    run_dir: Path,
+    trained: ExperimentConfig,
+    evaluation: ExperimentConfig,
+    cell: dict[str, Any],
+    log: Log,
+) -> dict[str, Any]:
+    """Load one finished cell's teacher and final student (:func:`finished_cell`) and
+    evaluate both with the ``evaluation`` configuration's eval set (``eval_prompts`` x
+    ``samples``, ``ks``, ``thresholds``)."""
+    job, teacher, student = finished_cell(run_dir, trained, cell, log)
+    return evaluation_record(run_dir, evaluation, cell, job, teacher, student, log)
+
+
+def evaluation_record(
+    run_dir: Path,
+    evaluation: ExperimentConfig,
+    cell: dict[str, Any],
+    job: Any,
+    teacher: Any,
+    student: Any,
+    log: Log,
+) -> dict[str, Any]:
+    """The teacher's and ``student``'s evaluations on ``evaluation``'s eval set, as the
+    record :func:`reevaluate` stores."""
+    evaluating = Phases(run_dir, evaluation, log)
+    teacher_report = evaluating.evaluate_teacher(job, teacher, cell["seed"])
     return {
         "cell": cell,
         "prompts": evaluation.eval_prompts,
         "samples": evaluation.samples,
         "teacher": teacher_report.to_dict(),
-        "points": evaluating.evaluate(job, student, seed),
+        "points": evaluating.evaluate(job, student, cell["seed"]),
     }
 
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from distill.experiments import parallelism as experiment
+from distill.experiments.polish import polish
 from distill.experiments.reevaluate import reevaluate, table
 
 TINY = (
@@ -118,6 +119,42 @@ def test_reevaluation_scores_the_finished_cell_on_more_prompts_and_trains_nothin
     assert json.loads(saved.read_text()) == record
     assert reevaluate(run_dir, **quiet)[CELL] == record  # reused, not recomputed
     assert CELL in table({CELL: record}) and "schedule 16" in table({CELL: record})
+
+
+@pytest.mark.slow
+def test_a_polish_stage_continues_each_opd_cell_in_its_own_run_and_reuses_its_record(finished):
+    run_dir, _ = finished
+    checkpoints = run_dir / "opd" / CELL / "checkpoints"
+    before = sorted(path.name for path in checkpoints.iterdir())
+    quiet = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
+    stage = f"{CELL}__forward_kl__2"
+    record = polish(run_dir, loss="forward_kl", steps=2, learning_rate=1e-4, **quiet)[stage]
+    assert record["polish"] == {"loss": "forward_kl", "steps": 2, "learning_rate": 1e-4}
+    assert [(p["rule"], p["count"]) for p in record["points"]] == [
+        ("schedule", 4),
+        ("threshold", 4),
+    ]
+    contract = json.loads((run_dir / "polish" / stage / "contract.json").read_text())
+    assert "forward_kl" in json.dumps(contract)
+    assert sorted(path.name for path in (run_dir / "polish" / stage / "checkpoints").iterdir())
+    assert sorted(path.name for path in checkpoints.iterdir()) == before  # the cell is only read
+    again = polish(run_dir, loss="forward_kl", steps=2, learning_rate=1e-4, **quiet)[stage]
+    assert again == record  # reused, not retrained
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        ("loss", {"loss": "none"}),
+        ("loss", {"loss": "no_such_loss"}),
+        ("steps", {"steps": 0}),
+        ("learning_rate", {"learning_rate": 0.0}),
+    ],
+)
+def test_a_polish_stage_refuses_bad_settings_naming_the_field(tmp_path, field, changes):
+    settings = dict(loss="forward_kl", steps=2, learning_rate=1e-4, prompts=2, samples=2)
+    with pytest.raises(experiment.ExperimentError, match=f"`{field}` must"):
+        polish(tmp_path, **(settings | changes), ks=[16], thresholds=[0.9])
 
 
 def test_reevaluation_refuses_a_directory_that_is_not_a_parallelism_run(tmp_path):
