@@ -12,9 +12,10 @@ stage on every finished OPD cell of ``--run-dir``::
 
 Each cell's second stage is an OPD run of its own (rollouts from the live student as in the
 cell, the loss variant's overrides, ``--steps`` at a constant ``--learning-rate``) under
-``polish/<cell>__<loss>__<steps>/``, resumable from its checkpoints; its record (the teacher
-and the continued student on ``--prompts`` x ``--samples``, as ``reevaluate`` writes) goes
-to ``polish/<cell>__<loss>__<steps>__<prompts>x<samples>.json`` and is reused when present.
+``polish/<cell>__<loss>__<steps>__lr<rate>/``, resumable from its checkpoints; its record (the
+teacher and the continued student on ``--prompts`` x ``--samples``, as ``reevaluate``
+writes) goes to ``polish/<cell>__<loss>__<steps>__lr<rate>__<prompts>x<samples>.json`` and is
+reused when present.
 The cell's own run directory is only read.
 """
 
@@ -85,7 +86,7 @@ def polish(
         cell = stored_cell["cell"]
         if not LOSS_VARIANTS[cell["loss"]].opd:
             continue
-        stage = f"{name}__{loss}__{steps}"
+        stage = f"{name}__{loss}__{steps}__lr{learning_rate:g}"
         path = run_dir / "polish" / f"{stage}__{prompts}x{samples}.json"
         record = read_json(path)
         if record is None:

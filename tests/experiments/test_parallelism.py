@@ -127,7 +127,7 @@ def test_a_polish_stage_continues_each_opd_cell_in_its_own_run_and_reuses_its_re
     checkpoints = run_dir / "opd" / CELL / "checkpoints"
     before = sorted(path.name for path in checkpoints.iterdir())
     quiet = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
-    stage = f"{CELL}__forward_kl__2"
+    stage = f"{CELL}__forward_kl__2__lr0.0001"
     record = polish(run_dir, loss="forward_kl", steps=2, learning_rate=1e-4, **quiet)[stage]
     assert record["polish"] == {"loss": "forward_kl", "steps": 2, "learning_rate": 1e-4}
     assert [(p["rule"], p["count"]) for p in record["points"]] == [
