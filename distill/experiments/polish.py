@@ -31,12 +31,13 @@ from typing import Any
 from distill.experiments.parallelism import LOSS_VARIANTS, cell_job, load_cells
 from distill.experiments.reevaluate import (
     Log,
+    evaluation_arguments,
     evaluation_record,
     finished_cell,
+    run_command,
     run_config,
-    table,
 )
-from distill.experiments.run_dir import ExperimentError, error, read_json, write_json
+from distill.experiments.run_dir import error, read_json, write_json
 
 
 def polish(
@@ -113,17 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m distill.experiments.polish",
         description="Continue a parallelism run's finished OPD cells with another loss.",
     )
-    parser.add_argument("--run-dir", required=True, type=Path)
+    evaluation_arguments(parser, ks=[16])
     parser.add_argument("--loss", default="forward_kl")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--ks", nargs="+", type=int, default=[16])
-    parser.add_argument("--thresholds", nargs="+", type=float, default=[0.9])
     args = parser.parse_args(argv)
-    try:
-        records = polish(
+    return run_command(
+        lambda: polish(
             args.run_dir,
             loss=args.loss,
             steps=args.steps,
@@ -133,11 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ks=args.ks,
             thresholds=args.thresholds,
         )
-    except ExperimentError as failure:
-        print(f"error: {failure}", file=sys.stderr)
-        return 2
-    print(table(records))
-    return 0
+    )
 
 
 if __name__ == "__main__":

@@ -164,30 +164,43 @@ def table(records: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def evaluation_arguments(parser: argparse.ArgumentParser, *, ks: Sequence[int]) -> None:
+    """Add the run directory and evaluation-size flags shared by the re-scoring commands."""
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--ks", nargs="+", type=int, default=list(ks))
+    parser.add_argument("--thresholds", nargs="+", type=float, default=[0.9])
+
+
+def run_command(command: Callable[[], dict[str, dict[str, Any]]]) -> int:
+    """Run ``command``, print its records as a table; an :class:`ExperimentError` is
+    printed as ``error: ...`` on stderr with exit status 2."""
+    try:
+        records = command()
+    except ExperimentError as failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return 2
+    print(table(records))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m distill.experiments.reevaluate",
         description="Re-evaluate a parallelism run's finished cells on more eval prompts.",
     )
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--ks", nargs="+", type=int, default=[8, 16])
-    parser.add_argument("--thresholds", nargs="+", type=float, default=[0.9])
+    evaluation_arguments(parser, ks=[8, 16])
     args = parser.parse_args(argv)
-    try:
-        records = reevaluate(
+    return run_command(
+        lambda: reevaluate(
             args.run_dir,
             prompts=args.prompts,
             samples=args.samples,
             ks=args.ks,
             thresholds=args.thresholds,
         )
-    except ExperimentError as failure:
-        print(f"error: {failure}", file=sys.stderr)
-        return 2
-    print(table(records))
-    return 0
+    )
 
 
 if __name__ == "__main__":
