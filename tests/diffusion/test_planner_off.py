@@ -7,8 +7,9 @@ planner landed (commit adee08c), by running this module as a script in that chec
     .venv/bin/python -m tests.diffusion.test_planner_off [OUTPUT.npz]
 
 Integers (tokens, steps, masks, forwards) must match exactly. Log-probs matched bitwise on
-the machine that pinned them; they are compared to 1e-6 here because another CPU may round
-a float32 reduction differently.
+the machine that pinned them; here they get 1e-6 absolute plus 1e-6 relative (a few float32
+ulps at log-probs of -2 to -8) because another CPU may round a float32 reduction differently
+(a fresh machine measured 1.2e-6 and 1.4e-6 at -2.4 and -5.6, with every action equal).
 """
 
 import sys
@@ -73,7 +74,7 @@ def test_rules_without_the_planner_take_the_pinned_actions(current, reference, c
     for field in INTEGER_FIELDS:
         np.testing.assert_array_equal(current[f"{case}/{field}"], reference[f"{case}/{field}"])
     np.testing.assert_allclose(
-        current[f"{case}/action_logps"], reference[f"{case}/action_logps"], atol=1e-6, rtol=0
+        current[f"{case}/action_logps"], reference[f"{case}/action_logps"], atol=1e-6, rtol=1e-6
     )
 
 
