@@ -65,6 +65,8 @@ __all__ = [
 #: Version of the normalisation; part of every cache key and spec.
 CORPUS_FORMAT: str = "distill.data.corpus/v1"
 CORPUS_STREAM_FORMAT: str = "distill.data.CorpusStream/v1"
+#: The splits a corpus has (a subset of :data:`~distill.data.stream.SPLITS`).
+CORPUS_SPLITS: tuple[str, ...] = ("train", "eval")
 
 #: Characters removed outright (not turned into spaces): apostrophes, quotes, Markdown escapes.
 _DROPPED = frozenset("'\"`\\\u2018\u2019\u201c\u201d")
@@ -259,8 +261,10 @@ class CorpusStream:
             raise _error("window", "be an int >= 1", window)
         if not _is_int(seed) or seed < 0:
             raise _error("seed", "be an int >= 0", seed)
-        if split not in SPLITS:
-            raise _error("split", f"be one of {', '.join(SPLITS)}", split)
+        if split not in CORPUS_SPLITS:
+            # The text has a train part and one held-out tail; a validation split would
+            # read the eval text again in another order, so it is refused, not faked.
+            raise _error("split", f"be one of {', '.join(CORPUS_SPLITS)} for a corpus", split)
         if (
             isinstance(eval_fraction, bool)
             or not isinstance(eval_fraction, int | float)

@@ -7,9 +7,11 @@ positions can be read in any order. For each position the generator draws, in th
 task (uniform over ``tasks``, in the order given), the length (uniform in
 ``[min_length, max_length]``), then the task's own sample.
 
-Splits (``"train"``, ``"eval"``) enter the seed through :data:`SPLITS`, so the eval stream is a
-different sequence from the train stream for the same seed. (Tasks with tiny instance spaces,
-such as ``agree`` whose prompt is fixed by its length, can still produce equal prompts in both.)
+Splits (``"train"``, ``"eval"``, ``"validation"``) enter the seed through :data:`SPLITS`, so each
+split is a different sequence for the same seed: ``validation`` is held out from both training
+and the reported eval, for choices made from measurements (which checkpoint to keep) that must
+not be scored on the numbers they were chosen by. (Tasks with tiny instance spaces, such as
+``agree`` whose prompt is fixed by its length, can still produce equal prompts in several.)
 
 With ``limit`` set the stream has that many positions; asking for position ``>= limit`` raises
 :class:`~distill.data.tasks.DataError` naming `position`: an exhausted stream is an error, never a
@@ -39,7 +41,7 @@ __all__ = [
 STREAM_FORMAT: str = "distill.data.TaskStream/v1"
 
 #: Split name -> the id mixed into every position's seed.
-SPLITS: Mapping[str, int] = {"train": 0, "eval": 1}
+SPLITS: Mapping[str, int] = {"train": 0, "eval": 1, "validation": 2}
 
 _UNSET: Any = object()
 

@@ -278,16 +278,22 @@ def _point(rule: str, setting: float | int | str, report: Any) -> dict[str, Any]
 
 
 class Phases:
-    """The shared phases of a run, each computed once per process and resumed from disk."""
+    """The shared phases of a run, each computed once per process and resumed from disk.
+    Evaluations read the first ``config.eval_prompts`` prompts of ``split`` (``"eval"``; the
+    held-out ``"validation"`` for choices made from measurements)."""
 
-    def __init__(self, run_dir: Path, config: ExperimentConfig, log: Log):
-        self.run_dir, self.config, self.log = run_dir, config, log
+    def __init__(self, run_dir: Path, config: ExperimentConfig, log: Log, split: str = "eval"):
+        from distill.data.stream import SPLITS
+
+        if split == "train" or split not in SPLITS:
+            raise _error("split", "be eval or validation", split)
+        self.run_dir, self.config, self.log, self.split = run_dir, config, log, split
         self._teachers: dict[tuple[str, int], Any] = {}
 
     def eval_examples(self, job: Any) -> list[Any]:
         from distill.data.stream import TaskStream
 
-        return TaskStream(job.data, split="eval").batch(0, self.config.eval_prompts)
+        return TaskStream(job.data, split=self.split).batch(0, self.config.eval_prompts)
 
     def evaluate_teacher(self, job: Any, model: Any, seed: int) -> Any:
         """The causal teacher's :class:`~distill.evaluate.EvalReport` on this run's eval set."""

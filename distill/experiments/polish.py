@@ -1,4 +1,5 @@
-"""Continue the finished OPD cells of a parallelism run with another loss, then evaluate.
+"""Continue the finished OPD cells of a parallelism run with another loss, keep whichever
+student scores better on held-out prompts, then evaluate.
 
 Sampled reverse KL moves the student only through the log-prob of what it sampled (a
 gradient scaled by 1 - p), so a token the student commits with p ~ 1 is barely corrected
@@ -7,16 +8,20 @@ every vocabulary entry) pushes it regardless (docs/quality.md). This runs such a
 stage on every finished OPD cell of ``--run-dir``::
 
     python -m distill.experiments.polish --run-dir runs/parallelism/copy-cos4000-s0 \\
-        --loss forward_kl --steps 300 --learning-rate 1e-4 --prompts 256 --samples 4 \\
-        --ks 16 --thresholds 0.9
+        --loss forward_kl --steps 300 --learning-rate 7e-5 --prompts 256 --samples 4 \\
+        --ks 16 --thresholds 0.9 --validation-prompts 128
 
 Each cell's second stage is an OPD run of its own (rollouts from the live student as in the
 cell, the loss variant's overrides, ``--steps`` at a constant ``--learning-rate``) under
-``polish/<cell>__<loss>__<steps>__lr<rate>/``, resumable from its checkpoints; its record (the
-teacher and the continued student on ``--prompts`` x ``--samples``, as ``reevaluate``
-writes) goes to ``polish/<cell>__<loss>__<steps>__lr<rate>__<prompts>x<samples>.json`` and is
-reused when present.
-The cell's own run directory is only read.
+``polish/<cell>__<loss>__<steps>__lr<rate>/``, resumable from its checkpoints. The stage
+helps some seeds and hurts others, so the student before and after it is scored on the first
+``--validation-prompts`` prompts of the ``validation`` split (never trained on, never
+reported) and the one with the higher mean exact match over the evaluation points is
+``kept`` (the stage must win strictly). Both are also evaluated on the eval set; the record
+(the teacher, ``before``, the continued student's ``points``, ``validation``, ``kept`` and
+the ``kept_run`` whose final checkpoint to use)
+goes to ``polish/<cell>__<loss>__<steps>__lr<rate>__<prompts>x<samples>__val<n>.json`` and is
+reused when present. The cell's own run directory is only read.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distill.experiments.parallelism import LOSS_VARIANTS, cell_job, load_cells
+from distill.experiments.parallelism import LOSS_VARIANTS, Phases, cell_job, load_cells
 from distill.experiments.reevaluate import (
     Log,
     evaluation_arguments,
@@ -50,12 +55,14 @@ def polish(
     samples: int,
     ks: Sequence[int],
     thresholds: Sequence[float],
+    validation_prompts: int = 128,
     log: Log = print,
 ) -> dict[str, dict[str, Any]]:
     """Continue every finished OPD cell of ``run_dir`` with the loss variant ``loss`` for
-    ``steps`` steps at ``learning_rate`` and evaluate it; returns the records by name.
+    ``steps`` steps at ``learning_rate``, choose the student to keep on ``validation_prompts``
+    held-out prompts and evaluate both; returns the records by stage name.
     Raises :class:`ExperimentError` naming the field for an unknown or non-OPD ``loss``,
-    ``steps`` < 1 or a ``learning_rate`` that is not > 0."""
+    ``steps`` or ``validation_prompts`` < 1 or a ``learning_rate`` that is not > 0."""
     from distill.job import job_tokenizer
     from distill.opd import run_opd
     from distill.pipeline import in_process_teacher
@@ -67,6 +74,12 @@ def polish(
         raise error("steps", "be an int >= 1", steps)
     if not learning_rate > 0:
         raise error("learning_rate", "be > 0", learning_rate)
+    if (
+        isinstance(validation_prompts, bool)
+        or not isinstance(validation_prompts, int)
+        or validation_prompts < 1
+    ):
+        raise error("validation_prompts", "be an int >= 1", validation_prompts)
     run_dir = Path(run_dir)
     trained = run_config(run_dir)
     second = dataclasses.replace(
@@ -82,16 +95,22 @@ def polish(
     evaluation = dataclasses.replace(
         trained, eval_prompts=prompts, samples=samples, ks=tuple(ks), thresholds=tuple(thresholds)
     )
+    validating = Phases(
+        run_dir, dataclasses.replace(evaluation, eval_prompts=validation_prompts), log, "validation"
+    )
     records = {}
     for name, stored_cell in load_cells(run_dir).items():
         cell = stored_cell["cell"]
         if not LOSS_VARIANTS[cell["loss"]].opd:
             continue
         stage = f"{name}__{loss}__{steps}__lr{learning_rate:g}"
-        path = run_dir / "polish" / f"{stage}__{prompts}x{samples}.json"
+        path = run_dir / "polish" / f"{stage}__{prompts}x{samples}__val{validation_prompts}.json"
         record = read_json(path)
         if record is None:
             job, teacher, student = finished_cell(run_dir, trained, cell, log)
+            # Scored before the stage: run_opd trains (or restores) the student in place.
+            validation_before = validating.evaluate(job, student, cell["seed"])
+            before = Phases(run_dir, evaluation, log).evaluate(job, student, cell["seed"])
             stage_job = cell_job(cell["task"], cell["objective"], loss, cell["seed"], second)
             run_opd(
                 stage_job,
@@ -103,10 +122,67 @@ def polish(
                 log=log,
             )
             record = evaluation_record(run_dir, evaluation, cell, stage_job, teacher, student, log)
+            validation_after = validating.evaluate(stage_job, student, cell["seed"])
             record["polish"] = {"loss": loss, "steps": steps, "learning_rate": learning_rate}
+            record["before"] = before
+            record["validation"] = {
+                "prompts": validation_prompts,
+                "samples": samples,
+                "before": validation_before,
+                "after": validation_after,
+            }
+            improved = selection_score(validation_after) > selection_score(validation_before)
+            record["kept"] = "after" if improved else "before"
+            # The run directory (relative to ``run_dir``) whose final checkpoint is kept.
+            record["kept_run"] = f"polish/{stage}" if improved else f"opd/{name}"
             write_json(path, record)
         records[stage] = record
     return records
+
+
+def selection_score(points: Sequence[dict[str, Any]]) -> float:
+    """The mean exact match over a student's evaluation points (what ``kept`` compares)."""
+    if not points:
+        raise error("points", "hold at least one evaluation point", list(points))
+    return sum(point["overall"] for point in points) / len(points)
+
+
+def kept_points(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The eval-set points of the student a polish record keeps."""
+    return record["points"] if record["kept"] == "after" else record["before"]
+
+
+def selection_table(records: dict[str, dict[str, Any]]) -> str:
+    """One markdown row per stage: the teacher, the held-out scores before and after the
+    stage, which student is kept, and the eval-set exact match (tokens per forward) of
+    before, after and kept at each point."""
+    lines = []
+    for stage, record in records.items():
+        if not lines:
+            heads = [f"{p['rule']} {p['setting']}" for p in record["points"]]
+            lines.append(
+                "| stage | teacher | validation before / after | kept | "
+                + " | ".join(f"{head}: before / after / kept" for head in heads)
+                + " |"
+            )
+            lines.append("|---" * (4 + len(heads)) + "|")
+        validation = record["validation"]
+        cells = [
+            " / ".join(
+                f"{p['overall']:.3f} ({p['tokens_per_forward']:.2f})" for p in (before, after, kept)
+            )
+            for before, after, kept in zip(
+                record["before"], record["points"], kept_points(record), strict=True
+            )
+        ]
+        lines.append(
+            f"| {stage} | {record['teacher']['overall']:.3f} | "
+            f"{selection_score(validation['before']):.3f} / "
+            f"{selection_score(validation['after']):.3f} | {record['kept']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluation_arguments(parser, ks=[16])
     parser.add_argument("--loss", default="forward_kl")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--learning-rate", type=float, default=7e-5)
+    parser.add_argument("--validation-prompts", type=int, default=128)
     args = parser.parse_args(argv)
     return run_command(
         lambda: polish(
@@ -129,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             samples=args.samples,
             ks=args.ks,
             thresholds=args.thresholds,
-        )
+            validation_prompts=args.validation_prompts,
+        ),
+        render=selection_table,
     )
 
 

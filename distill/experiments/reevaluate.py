@@ -173,15 +173,18 @@ def evaluation_arguments(parser: argparse.ArgumentParser, *, ks: Sequence[int]) 
     parser.add_argument("--thresholds", nargs="+", type=float, default=[0.9])
 
 
-def run_command(command: Callable[[], dict[str, dict[str, Any]]]) -> int:
-    """Run ``command``, print its records as a table; an :class:`ExperimentError` is
+def run_command(
+    command: Callable[[], dict[str, dict[str, Any]]],
+    render: Callable[[dict[str, dict[str, Any]]], str] = table,
+) -> int:
+    """Run ``command``, print its records with ``render``; an :class:`ExperimentError` is
     printed as ``error: ...`` on stderr with exit status 2."""
     try:
         records = command()
     except ExperimentError as failure:
         print(f"error: {failure}", file=sys.stderr)
         return 2
-    print(table(records))
+    print(render(records))
     return 0
 
 

@@ -147,6 +147,7 @@ def test_real_corpus_windows(corpus: str) -> None:
         ({"window": 10_000}, "window"),
         ({"window": 8, "seed": -1}, "seed"),
         ({"window": 8, "split": "test"}, "split"),
+        ({"window": 8, "split": "validation"}, "split"),  # no third part of the text
         ({"window": 8, "eval_fraction": 1.0}, "eval_fraction"),
         ({"window": 8, "order": "shuffled"}, "order"),
         ({"window": 8, "limit": -2}, "limit"),

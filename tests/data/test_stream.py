@@ -94,6 +94,17 @@ def test_train_and_eval_splits_differ() -> None:
     assert not big & big_eval
 
 
+def test_the_validation_split_is_held_out_from_train_and_eval() -> None:
+    prompts = {
+        split: {e.prompt for e in _stream(tasks=("copy",), min_length=8, split=split).batch(0, 200)}
+        for split in ("train", "eval", "validation")
+    }
+    assert not prompts["validation"] & prompts["train"]
+    assert not prompts["validation"] & prompts["eval"]
+    held = _stream(split="validation")
+    assert TaskStream.from_spec(held.stream_spec()).batch(0, 5) == held.batch(0, 5)
+
+
 def test_seeds_give_different_streams() -> None:
     assert _stream(seed=0).batch(0, 20) != _stream(seed=1).batch(0, 20)
 
@@ -157,7 +168,7 @@ def test_spec_round_trips_through_json() -> None:
         ({"seed": -1}, r"^`seed` must be >= 0"),
         ({"seed": 1.5}, r"^`seed` must be an int"),
         ({"batch_size": 0}, r"^`batch_size` must be >= 1"),
-        ({"split": "test"}, r"^`split` must be one of train, eval"),
+        ({"split": "test"}, r"^`split` must be one of train, eval, validation"),
         ({"limit": -1}, r"^`limit` must be None or an int >= 0"),
     ],
 )

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from distill.experiments import parallelism as experiment
-from distill.experiments.polish import polish
+from distill.experiments.polish import kept_points, polish, selection_score, selection_table
 from distill.experiments.reevaluate import reevaluate, table
 
 TINY = (
@@ -122,24 +122,50 @@ def test_reevaluation_scores_the_finished_cell_on_more_prompts_and_trains_nothin
 
 
 @pytest.mark.slow
-def test_a_polish_stage_continues_each_opd_cell_in_its_own_run_and_reuses_its_record(finished):
+def test_a_polish_stage_continues_each_opd_cell_keeps_the_held_out_winner_and_reuses_it(finished):
     run_dir, _ = finished
     checkpoints = run_dir / "opd" / CELL / "checkpoints"
     before = sorted(path.name for path in checkpoints.iterdir())
     quiet = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
     stage = f"{CELL}__forward_kl__2__lr0.0001"
-    record = polish(run_dir, loss="forward_kl", steps=2, learning_rate=1e-4, **quiet)[stage]
+    settings = dict(loss="forward_kl", steps=2, learning_rate=1e-4, validation_prompts=3)
+    record = polish(run_dir, **settings, **quiet)[stage]
     assert record["polish"] == {"loss": "forward_kl", "steps": 2, "learning_rate": 1e-4}
-    assert [(p["rule"], p["count"]) for p in record["points"]] == [
-        ("schedule", 4),
-        ("threshold", 4),
-    ]
+    for points in (record["points"], record["before"]):
+        assert [(p["rule"], p["count"]) for p in points] == [("schedule", 4), ("threshold", 4)]
+    validation = record["validation"]
+    assert (validation["prompts"], validation["samples"]) == (3, 2)
+    for points in (validation["before"], validation["after"]):
+        assert [(p["rule"], p["count"]) for p in points] == [("schedule", 6), ("threshold", 6)]
+    improved = selection_score(validation["after"]) > selection_score(validation["before"])
+    assert record["kept"] == ("after" if improved else "before")
+    assert kept_points(record) == (record["points"] if improved else record["before"])
+    assert (run_dir / record["kept_run"] / "checkpoints").is_dir()
+    assert stage in selection_table({stage: record})
     contract = json.loads((run_dir / "polish" / stage / "contract.json").read_text())
     assert "forward_kl" in json.dumps(contract)
     assert sorted(path.name for path in (run_dir / "polish" / stage / "checkpoints").iterdir())
     assert sorted(path.name for path in checkpoints.iterdir()) == before  # the cell is only read
-    again = polish(run_dir, loss="forward_kl", steps=2, learning_rate=1e-4, **quiet)[stage]
+    assert (run_dir / "polish" / f"{stage}__2x2__val3.json").is_file()
+    again = polish(run_dir, **settings, **quiet)[stage]
     assert again == record  # reused, not retrained
+
+
+def test_the_kept_student_must_win_on_held_out_prompts_strictly():
+    def points(*scores):
+        return [{"overall": score} for score in scores]
+
+    assert selection_score(points(1.0, 0.5)) == 0.75
+    with pytest.raises(experiment.ExperimentError, match="`points` must hold"):
+        selection_score([])
+    record = {"points": points(0.9), "before": points(0.8), "kept": "before"}
+    assert kept_points(record) == points(0.8)
+    assert kept_points(record | {"kept": "after"}) == points(0.9)
+
+
+def test_evaluation_phases_read_only_held_out_splits(tmp_path):
+    with pytest.raises(experiment.ExperimentError, match="`split` must be eval or validation"):
+        experiment.Phases(tmp_path, CONFIG, print, "train")
 
 
 @pytest.mark.parametrize(
@@ -149,6 +175,7 @@ def test_a_polish_stage_continues_each_opd_cell_in_its_own_run_and_reuses_its_re
         ("loss", {"loss": "no_such_loss"}),
         ("steps", {"steps": 0}),
         ("learning_rate", {"learning_rate": 0.0}),
+        ("validation_prompts", {"validation_prompts": 0}),
     ],
 )
 def test_a_polish_stage_refuses_bad_settings_naming_the_field(tmp_path, field, changes):
