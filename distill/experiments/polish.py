@@ -19,9 +19,9 @@ helps some seeds and hurts others, so the student before and after it is scored 
 reported) and the one with the higher mean exact match over the evaluation points is
 ``kept`` (the stage must win strictly). Both are also evaluated on the eval set; the record
 (the teacher, ``before``, the continued student's ``points``, ``validation``, ``kept`` and
-the ``kept_run`` whose final checkpoint to use)
-goes to ``polish/<cell>__<loss>__<steps>__lr<rate>__<prompts>x<samples>__val<n>.json`` and is
-reused when present. The cell's own run directory is only read.
+the ``kept_run`` whose final checkpoint to use) goes to
+``polish/<cell>__<loss>__<steps>__lr<rate>__<prompts>x<samples>__val<n>.json`` and is reused
+when present. The cell's own run directory is only read.
 """
 
 from __future__ import annotations
@@ -70,16 +70,11 @@ def polish(
     if loss not in LOSS_VARIANTS or not LOSS_VARIANTS[loss].opd:
         opd = ", ".join(name for name, variant in LOSS_VARIANTS.items() if variant.opd)
         raise error("loss", f"name an OPD loss variant ({opd})", loss)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise error("steps", "be an int >= 1", steps)
+    for field, value in (("steps", steps), ("validation_prompts", validation_prompts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise error(field, "be an int >= 1", value)
     if not learning_rate > 0:
         raise error("learning_rate", "be > 0", learning_rate)
-    if (
-        isinstance(validation_prompts, bool)
-        or not isinstance(validation_prompts, int)
-        or validation_prompts < 1
-    ):
-        raise error("validation_prompts", "be an int >= 1", validation_prompts)
     run_dir = Path(run_dir)
     trained = run_config(run_dir)
     second = dataclasses.replace(
@@ -131,10 +126,9 @@ def polish(
                 "before": validation_before,
                 "after": validation_after,
             }
-            improved = selection_score(validation_after) > selection_score(validation_before)
-            record["kept"] = "after" if improved else "before"
+            record["kept"] = kept_side(validation_before, validation_after)
             # The run directory (relative to ``run_dir``) whose final checkpoint is kept.
-            record["kept_run"] = f"polish/{stage}" if improved else f"opd/{name}"
+            record["kept_run"] = f"polish/{stage}" if record["kept"] == "after" else f"opd/{name}"
             write_json(path, record)
         records[stage] = record
     return records
@@ -145,6 +139,12 @@ def selection_score(points: Sequence[dict[str, Any]]) -> float:
     if not points:
         raise error("points", "hold at least one evaluation point", list(points))
     return sum(point["overall"] for point in points) / len(points)
+
+
+def kept_side(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]) -> str:
+    """``"after"`` when the stage's held-out points score strictly higher than the points
+    before it, else ``"before"`` (a tie keeps the student that had no second stage)."""
+    return "after" if selection_score(after) > selection_score(before) else "before"
 
 
 def kept_points(record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,7 +8,13 @@ import json
 import pytest
 
 from distill.experiments import parallelism as experiment
-from distill.experiments.polish import kept_points, polish, selection_score, selection_table
+from distill.experiments.polish import (
+    kept_points,
+    kept_side,
+    polish,
+    selection_score,
+    selection_table,
+)
 from distill.experiments.reevaluate import reevaluate, table
 
 TINY = (
@@ -137,8 +143,8 @@ def test_a_polish_stage_continues_each_opd_cell_keeps_the_held_out_winner_and_re
     assert (validation["prompts"], validation["samples"]) == (3, 2)
     for points in (validation["before"], validation["after"]):
         assert [(p["rule"], p["count"]) for p in points] == [("schedule", 6), ("threshold", 6)]
-    improved = selection_score(validation["after"]) > selection_score(validation["before"])
-    assert record["kept"] == ("after" if improved else "before")
+    assert record["kept"] == kept_side(validation["before"], validation["after"])
+    improved = record["kept"] == "after"
     assert kept_points(record) == (record["points"] if improved else record["before"])
     assert (run_dir / record["kept_run"] / "checkpoints").is_dir()
     assert stage in selection_table({stage: record})
@@ -156,6 +162,9 @@ def test_the_kept_student_must_win_on_held_out_prompts_strictly():
         return [{"overall": score} for score in scores]
 
     assert selection_score(points(1.0, 0.5)) == 0.75
+    assert kept_side(points(0.8, 0.9), points(0.9, 0.9)) == "after"
+    assert kept_side(points(0.9, 0.9), points(0.9, 0.9)) == "before"  # a tie keeps no stage
+    assert kept_side(points(0.9, 0.9), points(1.0, 0.7)) == "before"
     with pytest.raises(experiment.ExperimentError, match="`points` must hold"):
         selection_score([])
     record = {"points": points(0.9), "before": points(0.8), "kept": "before"}
