@@ -10,6 +10,8 @@ cd "$(dirname "$0")/../.."
 VENV="${VENV:-.venv}"
 export PATH="$(pwd)/$VENV/bin:$PATH"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+# Ray workers inherit it: see services/__init__.py (grpc/grpc#43055).
+export GRPC_ENABLE_FORK_SUPPORT=false
 RAY_PORT="${RAY_PORT:-6379}"
 DASHBOARD_PORT="${DASHBOARD_PORT:-8265}"
 RAY_TEMP_DIR="${RAY_TEMP_DIR:-/tmp/distill-ray-local}"
