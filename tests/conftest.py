@@ -7,12 +7,13 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# Before any test module imports grpc or ray (they sort above `services` imports): see
-# services/__init__.py for why gRPC fork support is off.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Imported before any test module imports grpc or ray (they sort above `services`), for the
+# gRPC setting the package makes on import (services/__init__.py).
+import services  # noqa: E402, F401
 
 jax.config.update("jax_default_matmul_precision", "float32")
 

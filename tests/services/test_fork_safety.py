@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+from services import GRPC_FORK_SUPPORT_VARIABLE
+
 FORKS = 150
 
 CHILD = textwrap.dedent(
@@ -55,7 +57,7 @@ CHILD = textwrap.dedent(
 
 
 def test_children_started_with_a_preexec_fn_beside_live_grpc_all_exec():
-    env = {key: value for key, value in os.environ.items() if key != "GRPC_ENABLE_FORK_SUPPORT"}
+    env = {key: value for key, value in os.environ.items() if key != GRPC_FORK_SUPPORT_VARIABLE}
     try:
         result = subprocess.run(
             [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120
