@@ -13,7 +13,11 @@ stage on every finished OPD cell of ``--run-dir``::
 
 Each cell's second stage is an OPD run of its own (rollouts from the live student as in the
 cell, the loss variant's overrides, ``--steps`` at a constant ``--learning-rate``) under
-``polish/<cell>__<loss>__<steps>__lr<rate>/``, resumable from its checkpoints. The stage
+``polish/<cell>__<loss>__<steps>__lr<rate>/``, resumable from its checkpoints. ``--set
+a.b=value`` (repeatable) changes the stage's job on top of the cell's, e.g.
+``--set rollout.threshold=0.0`` trains on one-forward-per-block rollouts, the setting where a
+student that is right at threshold 0.9 can still be wrong; each such override is appended to
+the stage name (``__rollout.threshold=0.0``). The stage
 helps some seeds and hurts others, so the student before and after it is scored on the first
 ``--validation-prompts`` prompts of the ``validation`` split (never trained on, never
 reported) and the one with the higher mean exact match over the evaluation points is
@@ -56,13 +60,17 @@ def polish(
     ks: Sequence[int],
     thresholds: Sequence[float],
     validation_prompts: int = 128,
+    overrides: Sequence[str] = (),
     log: Log = print,
 ) -> dict[str, dict[str, Any]]:
     """Continue every finished OPD cell of ``run_dir`` with the loss variant ``loss`` for
     ``steps`` steps at ``learning_rate``, choose the student to keep on ``validation_prompts``
-    held-out prompts and evaluate both; returns the records by stage name.
+    held-out prompts and evaluate both; returns the records by stage name. ``overrides``
+    (dotted ``a.b=value`` strings) change the stage's job on top of the cell's.
     Raises :class:`ExperimentError` naming the field for an unknown or non-OPD ``loss``,
-    ``steps`` or ``validation_prompts`` < 1 or a ``learning_rate`` that is not > 0."""
+    ``steps`` or ``validation_prompts`` < 1, a ``learning_rate`` that is not > 0 or
+    ``overrides`` the job configuration refuses (checked before anything trains)."""
+    from distill.config import ConfigError
     from distill.job import job_tokenizer
     from distill.opd import run_opd
     from distill.pipeline import in_process_teacher
@@ -75,6 +83,11 @@ def polish(
             raise error(field, "be an int >= 1", value)
     if not learning_rate > 0:
         raise error("learning_rate", "be > 0", learning_rate)
+    if isinstance(overrides, str) or any(
+        not isinstance(override, str) or "=" not in override or "/" in override
+        for override in overrides
+    ):
+        raise error("overrides", "be dotted a.b=value strings without '/'", overrides)
     run_dir = Path(run_dir)
     trained = run_config(run_dir)
     second = dataclasses.replace(
@@ -85,6 +98,7 @@ def polish(
             *trained.overrides,
             f"opd.optimizer.learning_rate={learning_rate}",
             "opd.optimizer.schedule=constant",
+            *overrides,
         ),
     )
     evaluation = dataclasses.replace(
@@ -93,12 +107,20 @@ def polish(
     validating = Phases(
         run_dir, dataclasses.replace(evaluation, eval_prompts=validation_prompts), log, "validation"
     )
+    cells = {
+        name: stored["cell"]
+        for name, stored in load_cells(run_dir).items()
+        if LOSS_VARIANTS[stored["cell"]["loss"]].opd
+    }
+    stage_jobs = {}
+    for name, cell in cells.items():
+        try:
+            stage_jobs[name] = cell_job(cell["task"], cell["objective"], loss, cell["seed"], second)
+        except ConfigError as refused:
+            raise error("overrides", f"give a valid job ({refused})", list(overrides)) from None
     records = {}
-    for name, stored_cell in load_cells(run_dir).items():
-        cell = stored_cell["cell"]
-        if not LOSS_VARIANTS[cell["loss"]].opd:
-            continue
-        stage = f"{name}__{loss}__{steps}__lr{learning_rate:g}"
+    for name, cell in cells.items():
+        stage = "__".join((f"{name}__{loss}__{steps}__lr{learning_rate:g}", *overrides))
         path = run_dir / "polish" / f"{stage}__{prompts}x{samples}__val{validation_prompts}.json"
         record = read_json(path)
         if record is None:
@@ -106,7 +128,7 @@ def polish(
             # Scored before the stage: run_opd trains (or restores) the student in place.
             validation_before = validating.evaluate(job, student, cell["seed"])
             before = Phases(run_dir, evaluation, log).evaluate(job, student, cell["seed"])
-            stage_job = cell_job(cell["task"], cell["objective"], loss, cell["seed"], second)
+            stage_job = stage_jobs[name]
             run_opd(
                 stage_job,
                 student,
@@ -119,6 +141,8 @@ def polish(
             record = evaluation_record(run_dir, evaluation, cell, stage_job, teacher, student, log)
             validation_after = validating.evaluate(stage_job, student, cell["seed"])
             record["polish"] = {"loss": loss, "steps": steps, "learning_rate": learning_rate}
+            if overrides:
+                record["polish"]["overrides"] = list(overrides)
             record["before"] = before
             record["validation"] = {
                 "prompts": validation_prompts,
@@ -195,6 +219,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--learning-rate", type=float, default=7e-5)
     parser.add_argument("--validation-prompts", type=int, default=128)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="A.B=VALUE",
+        help="a dotted job override for the stage (repeatable), e.g. rollout.threshold=0.0",
+    )
     args = parser.parse_args(argv)
     return run_command(
         lambda: polish(
@@ -207,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ks=args.ks,
             thresholds=args.thresholds,
             validation_prompts=args.validation_prompts,
+            overrides=args.overrides,
         ),
         render=selection_table,
     )

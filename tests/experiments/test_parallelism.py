@@ -133,10 +133,25 @@ def test_a_polish_stage_continues_each_opd_cell_keeps_the_held_out_winner_and_re
     checkpoints = run_dir / "opd" / CELL / "checkpoints"
     before = sorted(path.name for path in checkpoints.iterdir())
     quiet = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
-    stage = f"{CELL}__forward_kl__2__lr0.0001"
-    settings = dict(loss="forward_kl", steps=2, learning_rate=1e-4, validation_prompts=3)
+    # The stage trains on one-forward-per-block rollouts: its override names the stage.
+    stage = f"{CELL}__forward_kl__2__lr0.0001__rollout.threshold=0.0"
+    settings = dict(
+        loss="forward_kl",
+        steps=2,
+        learning_rate=1e-4,
+        validation_prompts=3,
+        overrides=["rollout.threshold=0.0"],
+    )
+    with pytest.raises(experiment.ExperimentError, match="`overrides` must give a valid job"):
+        polish(run_dir, **(settings | {"overrides": ["rollout.threshold=2.0"]}), **quiet)
+    assert not (run_dir / "polish").exists()  # refused before anything trained
     record = polish(run_dir, **settings, **quiet)[stage]
-    assert record["polish"] == {"loss": "forward_kl", "steps": 2, "learning_rate": 1e-4}
+    assert record["polish"] == {
+        "loss": "forward_kl",
+        "steps": 2,
+        "learning_rate": 1e-4,
+        "overrides": ["rollout.threshold=0.0"],
+    }
     for points in (record["points"], record["before"]):
         assert [(p["rule"], p["count"]) for p in points] == [("schedule", 4), ("threshold", 4)]
     validation = record["validation"]
@@ -150,6 +165,7 @@ def test_a_polish_stage_continues_each_opd_cell_keeps_the_held_out_winner_and_re
     assert stage in selection_table({stage: record})
     contract = json.loads((run_dir / "polish" / stage / "contract.json").read_text())
     assert "forward_kl" in json.dumps(contract)
+    assert contract["rollout"]["threshold"] == 0.0
     assert sorted(path.name for path in (run_dir / "polish" / stage / "checkpoints").iterdir())
     assert sorted(path.name for path in checkpoints.iterdir()) == before  # the cell is only read
     assert (run_dir / "polish" / f"{stage}__2x2__val3.json").is_file()
@@ -185,6 +201,9 @@ def test_evaluation_phases_read_only_held_out_splits(tmp_path):
         ("steps", {"steps": 0}),
         ("learning_rate", {"learning_rate": 0.0}),
         ("validation_prompts", {"validation_prompts": 0}),
+        ("overrides", {"overrides": ["rollout.threshold"]}),
+        ("overrides", {"overrides": ["data.path=a/b"]}),
+        ("overrides", {"overrides": "rollout.threshold=0.0"}),
     ],
 )
 def test_a_polish_stage_refuses_bad_settings_naming_the_field(tmp_path, field, changes):
