@@ -67,6 +67,7 @@ __all__ = [
     "TaskSpec",
     "cell_job",
     "main",
+    "override_argument",
     "register_loss_variant",
     "report",
     "run",
@@ -659,6 +660,19 @@ def _plot(
 # ---- command line ----------------------------------------------------------------------------
 
 
+def override_argument(parser: argparse.ArgumentParser, scope: str, example: str) -> None:
+    """Add the repeatable ``--set A.B=VALUE`` flag (dotted job overrides for ``scope``),
+    collected in ``args.overrides``."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="A.B=VALUE",
+        help=f"a dotted job override for {scope} (repeatable), e.g. {example}",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     defaults = ExperimentConfig()
     parser = argparse.ArgumentParser(
@@ -687,14 +701,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=defaults.samples)
     parser.add_argument("--ks", nargs="+", type=int, default=list(defaults.ks))
     parser.add_argument("--thresholds", nargs="+", type=float, default=list(defaults.thresholds))
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="A.B=VALUE",
-        help="a dotted job override for every cell (repeatable), e.g. student.d_model=32",
-    )
+    override_argument(parser, "every cell", "student.d_model=32")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 

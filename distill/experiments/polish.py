@@ -37,7 +37,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distill.experiments.parallelism import LOSS_VARIANTS, Phases, cell_job, load_cells
+from distill.experiments.parallelism import (
+    LOSS_VARIANTS,
+    Phases,
+    cell_job,
+    load_cells,
+    override_argument,
+)
 from distill.experiments.reevaluate import (
     Log,
     evaluation_arguments,
@@ -219,14 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--learning-rate", type=float, default=7e-5)
     parser.add_argument("--validation-prompts", type=int, default=128)
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="A.B=VALUE",
-        help="a dotted job override for the stage (repeatable), e.g. rollout.threshold=0.0",
-    )
+    override_argument(parser, "the stage", "rollout.threshold=0.0")
     args = parser.parse_args(argv)
     return run_command(
         lambda: polish(
