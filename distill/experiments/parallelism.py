@@ -66,6 +66,7 @@ __all__ = [
     "LossVariant",
     "TaskSpec",
     "cell_job",
+    "check_overrides",
     "main",
     "override_argument",
     "register_loss_variant",
@@ -220,11 +221,21 @@ class ExperimentConfig:
             for t in self.thresholds
         ):
             raise _error("thresholds", "be distinct numbers in [0, 1]", self.thresholds)
-        if any(not isinstance(o, str) or "=" not in o for o in self.overrides):
-            raise _error("overrides", "be dotted a.b=value strings", self.overrides)
+        check_overrides(self.overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def check_overrides(overrides: Sequence[str], *, path_safe: bool = False) -> None:
+    """Raise :class:`ExperimentError` naming ``overrides`` unless it is a sequence of dotted
+    ``a.b=value`` strings (without '/' when ``path_safe``: they name a directory)."""
+    if isinstance(overrides, str) or any(
+        not isinstance(override, str) or "=" not in override or (path_safe and "/" in override)
+        for override in overrides
+    ):
+        rule = "be dotted a.b=value strings" + (" without '/'" if path_safe else "")
+        raise _error("overrides", rule, overrides)
 
 
 def _phase_overrides(job: Any, phase: str, steps: int, config: ExperimentConfig) -> list[str]:

@@ -41,6 +41,7 @@ from distill.experiments.parallelism import (
     LOSS_VARIANTS,
     Phases,
     cell_job,
+    check_overrides,
     load_cells,
     override_argument,
 )
@@ -89,11 +90,7 @@ def polish(
             raise error(field, "be an int >= 1", value)
     if not learning_rate > 0:
         raise error("learning_rate", "be > 0", learning_rate)
-    if isinstance(overrides, str) or any(
-        not isinstance(override, str) or "=" not in override or "/" in override
-        for override in overrides
-    ):
-        raise error("overrides", "be dotted a.b=value strings without '/'", overrides)
+    check_overrides(overrides, path_safe=True)  # each one is part of the stage's name
     run_dir = Path(run_dir)
     trained = run_config(run_dir)
     second = dataclasses.replace(
