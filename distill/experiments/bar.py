@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distill.experiments.parallelism import load_cells
+from distill.experiments.parallelism import ExperimentConfig, load_cells
 from distill.experiments.polish import kept_points
 from distill.experiments.reevaluate import run_config
 from distill.experiments.run_dir import ExperimentError, error, read_json
@@ -57,8 +57,7 @@ class BarRow:
         return None if self.point is None else self.teacher - self.point["overall"]
 
 
-def _base_recipe(run_dir: Path, cell: dict[str, Any]) -> str:
-    config = run_config(run_dir)
+def _base_recipe(config: ExperimentConfig, cell: dict[str, Any]) -> str:
     teacher = "task default" if config.teacher_steps is None else config.teacher_steps
     recipe = (
         f"{cell['task']}: teacher {teacher} steps, {cell['objective']} warm-up "
@@ -115,7 +114,7 @@ def bar_rows(
 ) -> list[BarRow]:
     """One :class:`BarRow` per (recipe, seed) found in the finished cells and polish records
     of ``run_dirs``, sorted by recipe then seed. Raises :class:`ExperimentError` naming
-    ``run_dirs`` (empty, or a directory that is not a parallelism run),
+    ``run_dirs`` (empty), ``run_dir`` (a directory that is not a parallelism run),
     ``min_tokens_per_forward`` (not > 0) or ``within`` (not in [0, 1])."""
     if isinstance(run_dirs, (str, Path)) or not run_dirs:
         raise error("run_dirs", "name at least one parallelism run directory", run_dirs)
@@ -133,10 +132,9 @@ def bar_rows(
 
     for given in run_dirs:
         run_dir = Path(given)
-        if not (run_dir / "experiment.json").is_file():
-            raise error("run_dirs", "name parallelism run directories (experiment.json)", given)
+        config = run_config(run_dir)  # refuses a directory that is not a parallelism run
         cells = load_cells(run_dir)
-        bases = {name: _base_recipe(run_dir, stored["cell"]) for name, stored in cells.items()}
+        bases = {name: _base_recipe(config, stored["cell"]) for name, stored in cells.items()}
         for name, stored in cells.items():
             offer(
                 bases[name],

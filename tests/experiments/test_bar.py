@@ -138,4 +138,6 @@ def test_command_prints_the_table_and_refuses_a_directory_that_is_not_a_run(tmp_
     assert main([str(run_dir)]) == 0
     assert "0.995 (schedule 16, 12.00)" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2
-    assert "`run_dirs` must name parallelism run directories" in capsys.readouterr().err
+    assert "`run_dir` must hold a distill.experiments.parallelism/v1 run" in (
+        capsys.readouterr().err
+    )
