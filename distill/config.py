@@ -29,6 +29,10 @@ CommitRule = Literal["threshold", "schedule", "planner"]
 Confidence = Literal["max_prob", "sampled_prob"]
 ScheduleStrategy = Literal["confidence", "random", "entropy", "margin"]
 ObjectiveKind = Literal["block_ce", "mdlm", "self_corrupted", "coordination", "cmd"]
+# What a warm-up row holds after its stop token: `block` fills the rest of the stop's block
+# with stop ids (trained), as the rollout's canvas has masks there; `none` leaves padding,
+# which tells the student where the completion ends (the pre-2026-12-07 layout).
+StopFill = Literal["block", "none"]
 LossKind = Literal["reverse_kl", "forward_kl", "reverse_kl_full", "jsd"]
 Advantage = Literal["token", "return_to_go", "mean_to_go", "sequence"]
 TaskName = Literal["copy", "reverse", "sort", "addition", "agree", "sudoku"]
@@ -259,6 +263,7 @@ class ObjectiveConfig(_Config):
     alpha: float = Field(default=1.0, ge=0.0)
     beta: float = Field(default=1.0, ge=0.0)
     repair_weight: float = Field(default=1.0, ge=0.0)
+    stop_fill: StopFill = "block"
 
     @model_validator(mode="after")
     def _check(self) -> Self:

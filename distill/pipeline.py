@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distill.checkpoint import RunCheckpointer, extend_ledger, read_contract, restored_ledger
-from distill.config import JobConfig, ModelConfig, PhaseConfig
+from distill.config import JobConfig, ModelConfig, PhaseConfig, StopFill
 from distill.cross_tokenizer import CrossTokenizerTeacher
 from distill.curves import CURVES_DIR, CurveWriter
 from distill.data.stream import TaskStream
@@ -65,6 +65,7 @@ def _train_phase(
     progress: bool,
     log: Log,
     stop_after: int | None = None,
+    stop_fill: StopFill = "none",
 ) -> list[dict[str, float]]:
     optimizer = phase_train_state(model, phase)
     checkpointer = RunCheckpointer.open(run_dir, contract)
@@ -97,6 +98,7 @@ def _train_phase(
                 microbatches=phase.optimizer.microbatches,
                 progress=progress,
                 on_step=lambda index, metrics: curves.scalars("train", metrics, index + 1),
+                stop_fill=stop_fill,
             )
             start, step = step, step + segment
             ledger = extend_ledger(ledger, start * stream.batch_size, step * stream.batch_size)
@@ -286,6 +288,7 @@ def warmup_student(
         progress=progress,
         log=log,
         stop_after=stop_after,
+        stop_fill=job.objective.stop_fill,
     )
     if stop_after is not None and stop_after < job.student_warmup.steps:
         return model, None

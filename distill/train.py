@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ import optax
 import tqdm
 from flax import nnx
 
-from distill.config import OptimizerConfig
+from distill.config import OptimizerConfig, StopFill
 from distill.data.stream import TaskStream, encode_example
 from distill.data.tasks import Example
 from distill.diffusion.layout import BlockLayout, build_training_layout
@@ -251,9 +251,18 @@ def batch_keys(seed: int, step: int, batch: int, *, stream: int = 0) -> jax.Arra
 
 
 def task_layout(
-    examples: Sequence[Example], tokenizer: Tokenizer, *, horizon: int, block_size: int
+    examples: Sequence[Example],
+    tokenizer: Tokenizer,
+    *,
+    horizon: int,
+    block_size: int,
+    stop_fill: StopFill = "none",
 ) -> BlockLayout:
-    """Encode (prompt, answer + stop) pairs into a block-aligned training layout."""
+    """Encode (prompt, answer + stop) pairs into a block-aligned training layout;
+    ``stop_fill="block"`` fills each stop's block with the stop id (``build_training_layout``'s
+    ``fill_id``)."""
+    if stop_fill not in get_args(StopFill):
+        raise ValueError(f"`stop_fill` must be one of {get_args(StopFill)}; received {stop_fill!r}")
     pairs = [encode_example(example, tokenizer) for example in examples]
     special = tokenizer.special
     return build_training_layout(
@@ -264,6 +273,7 @@ def task_layout(
         pad_id=special.pad_id,
         mask_id=special.mask_id,
         vocab_size=tokenizer.vocab_size,
+        fill_id=special.stop_ids[0] if stop_fill == "block" else None,
     )
 
 
@@ -280,10 +290,12 @@ def fit(
     microbatches: int = 1,
     progress: bool = True,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    stop_fill: StopFill = "none",
 ) -> list[dict[str, float]]:
     """Train for ``steps`` steps from ``start_step``; step k reads stream positions
     ``[k * batch_size, (k + 1) * batch_size)``. Returns per-step metrics; the trainer's
-    model is synced at the end."""
+    model is synced at the end. ``stop_fill`` as in :func:`task_layout` (a block-diffusion
+    student's warm-up uses ``objective.stop_fill``; the causal teacher ``none``)."""
     if steps < 0 or start_step < 0:
         raise ValueError(f"`steps` and `start_step` must be >= 0; received {steps}, {start_step}")
     history = []
@@ -297,6 +309,7 @@ def fit(
             tokenizer,
             horizon=horizon,
             block_size=trainer.model.config.block_size,
+            stop_fill=stop_fill,
         )
         metrics = trainer.step(
             layout,

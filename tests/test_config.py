@@ -72,6 +72,12 @@ def test_unknown_objective_and_negative_weight_are_refused():
         ObjectiveConfig(kind="bert")
     with pytest.raises(ConfigError, match="`objective.alpha`"):
         ObjectiveConfig(alpha=-1.0)
+    with pytest.raises(ConfigError, match="`objective.stop_fill`"):
+        ObjectiveConfig(stop_fill="horizon")
+
+
+def test_warm_up_rows_fill_the_stop_block_by_default():
+    assert ObjectiveConfig().stop_fill == "block"
 
 
 def test_job_config_loads_from_yaml_with_dotted_overrides(tmp_path):

@@ -102,8 +102,28 @@ def build_training_layout(
     pad_id: int,
     mask_id: int,
     vocab_size: int,
+    fill_id: int | None = None,
 ) -> BlockLayout:
-    """Lay out (prompt, reference answer) pairs for training; answers are the completion."""
+    """Lay out (prompt, reference answer) pairs for training; answers are the completion.
+
+    With ``fill_id`` (a stop id), each answer is extended with it to the end of the block
+    holding its last token, never past ``horizon`` ids: the slots a rollout still holds as
+    masks in the stop's block. Without it those slots are padding, invisible to attention,
+    so a student trained on such rows can read where its completion ends from the padding,
+    a cue no rollout gives it. ``fill_id`` must be in ``[0, vocab_size)`` and not the mask id.
+    """
+    if fill_id is not None and len(answers) == len(prompts):  # else build_layout refuses
+        if isinstance(fill_id, bool) or not isinstance(fill_id, int):
+            raise ValueError(f"`fill_id` must be an int token id; received {fill_id!r}")
+        if not 0 <= fill_id < vocab_size or fill_id == mask_id:
+            raise ValueError(
+                f"`fill_id` must be in [0, {vocab_size}) and not the mask id {mask_id}; "
+                f"received {fill_id}"
+            )
+        answers = [
+            [*answer, *[fill_id] * _block_fill(len(prompt), len(answer), horizon, block_size)]
+            for prompt, answer in zip(prompts, answers, strict=True)
+        ]
     return build_layout(
         prompts,
         answers,
@@ -115,6 +135,15 @@ def build_training_layout(
         completions_field="answers",
         allow_mask_in_completion=False,
     )
+
+
+def _block_fill(prompt_length: int, answer_length: int, horizon: int, block_size: int) -> int:
+    """Slots after an answer up to the end of its last block, capped at ``horizon``."""
+    if answer_length == 0 or block_size < 1:
+        return 0  # build_layout refuses these rows with the field named
+    end = prompt_length + answer_length
+    block_end = -(-end // block_size) * block_size
+    return max(0, min(block_end, prompt_length + horizon) - end)
 
 
 def _check_ids(field: str, ids: np.ndarray, vocab_size: int, mask_id: int | None) -> None:

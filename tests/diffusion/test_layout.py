@@ -3,7 +3,11 @@
 import numpy as np
 import pytest
 
-from distill.diffusion.layout import build_rollout_layout, completion_windows
+from distill.diffusion.layout import (
+    build_rollout_layout,
+    build_training_layout,
+    completion_windows,
+)
 
 
 def layout_of(prompts, completion=5, block=4):
@@ -78,3 +82,61 @@ def test_rows_may_have_shorter_completions():
             mask_id=1,
             vocab_size=20,
         )
+
+
+STOP = 2
+
+
+def training_layout_of(prompts, answers, horizon=9, block=4, fill_id=STOP):
+    return build_training_layout(
+        prompts,
+        answers,
+        horizon=horizon,
+        block_size=block,
+        pad_id=0,
+        mask_id=1,
+        vocab_size=20,
+        fill_id=fill_id,
+    )
+
+
+def test_stop_fill_extends_each_answer_to_the_end_of_its_block_and_trains_it():
+    # Prompts of 3 and 6 ids, answers (ending in the stop) of 2 and 2: logical ends 5 and 8.
+    layout = training_layout_of([[5] * 3, [6] * 6], [[7, STOP], [8, STOP]])
+    completion = np.asarray(layout.completion_mask)
+    tokens = np.asarray(layout.tokens)
+    assert completion.sum(axis=1).tolist() == [5, 2]  # 5 -> 8 (3 stops added); 8 ends a block
+    assert tokens[0][completion[0]].tolist() == [7, STOP, STOP, STOP, STOP]
+    assert np.array_equal(np.asarray(layout.loss_weights), completion.astype(np.float32))
+    unfilled = training_layout_of([[5] * 3, [6] * 6], [[7, STOP], [8, STOP]], fill_id=None)
+    assert np.asarray(unfilled.completion_mask).sum(axis=1).tolist() == [2, 2]
+
+
+def test_stop_fill_never_passes_the_horizon():
+    # Prompt 1 id, horizon 2: the rollout's canvas ends at logical 3, inside the first block.
+    layout = training_layout_of([[5]], [[STOP]], horizon=2)
+    assert np.asarray(layout.completion_mask).sum() == 2
+
+
+def test_a_filled_training_row_has_the_rollouts_valid_slots_in_its_stop_block():
+    """The warm-up must not see where the completion ends: in the stop's block, the slots a
+    rollout holds as masks are valid (attended) in the training row too."""
+    prompts, answers, horizon, block = [[5] * 3, [6] * 5, [4] * 9], [[7, STOP]] * 3, 9, 4
+    training = training_layout_of(prompts, answers, horizon=horizon, block=block)
+    rollout = build_rollout_layout(
+        prompts, completion_length=horizon, block_size=block, pad_id=0, mask_id=1, vocab_size=20
+    )
+    assert training.tokens.shape == rollout.tokens.shape
+    for row in range(len(prompts)):
+        stop_slot = np.flatnonzero(np.asarray(training.tokens)[row] == STOP)[0]
+        window = slice(stop_slot // block * block, stop_slot // block * block + block)
+        assert np.array_equal(
+            np.asarray(training.segment_ids)[row, window],
+            np.asarray(rollout.segment_ids)[row, window],
+        ), row
+
+
+@pytest.mark.parametrize("fill_id", [1, 20, -1, True, 2.0])
+def test_a_bad_fill_id_is_refused_by_name(fill_id):
+    with pytest.raises(ValueError, match="`fill_id` must"):
+        training_layout_of([[5]], [[STOP]], fill_id=fill_id)

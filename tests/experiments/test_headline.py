@@ -3,11 +3,13 @@
 The cell is the demo's recipe on ``agree`` (3-6 letters, ``deploy/configs/agree.yaml``, seed 0):
 causal teacher 300 steps, MDLM warm-up 300 steps, OPD 150 steps with ``reverse_kl`` and
 ``mean_to_go`` advantages from adaptive rollouts (threshold 0.9), evaluated at temperature 1
-with the threshold rule at 0.9 on 32 eval prompts x 4 samples. Measured (2026-12-04, 2-core
-CPU): 0.984 exact match, 2.95 bits of free-letter entropy, 2.35 tokens per forward; 0.289
-before OPD (docs/quality.md, "The pinned cell"). The bounds leave about the eval's sampling
-noise and sit far above what a broken recipe gives: the warm-up alone, the one-forward
-collapse (0 bits) and the mass-covering losses each fail at least one of them.
+with the threshold rule at 0.9 on 32 eval prompts x 4 samples. Measured (2026-12-07, 2-core
+CPU): 0.984 exact match, 2.95 bits of free-letter entropy, 2.34 tokens per forward; the
+warm-up 0.953 on OPD's 128-prompt eval before OPD (0.289 before the warm-up's rows filled
+their stop block, ``objective.stop_fill``; docs/quality.md, "The pinned cell"). The bounds
+leave about the eval's sampling noise and sit far above what a broken recipe gives: the
+one-forward collapse (0 bits), the mass-covering losses and a warm-up that reads the answer's
+length from padding each fail at least one of them.
 """
 
 from __future__ import annotations
@@ -49,5 +51,6 @@ def test_adaptive_opd_on_agree_keeps_the_teachers_accuracy_and_diversity_at_two_
     assert point["overall"] >= 0.95, point
     assert point["agree_entropy_bits"] >= 2.8, point
     assert point["tokens_per_forward"] >= 2.0, point
-    # OPD, not the warm-up, earns it: the warm-up alone is far below at the same rule
-    assert start["overall"] <= 0.6, start
+    # The warm-up is already near the teacher at the same rule; one that saw padding after the
+    # stop token (where rollouts have masks) does not know where to stop (0.29).
+    assert start["overall"] >= 0.85, start
