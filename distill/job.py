@@ -95,6 +95,9 @@ LATER_FIELDS: Mapping[tuple[str, str], Any] = MappingProxyType(
         ("teacher", "planner_hidden"): None,
         ("student", "planner_hidden"): None,
         ("loss", "forward_cost"): 0.0,
+        # `none` is the warm-up layout from before the field existed; the default (`block`)
+        # trains other rows, so a warm-up saved before it is refused unless `none` is asked.
+        ("objective", "stop_fill"): "none",
     }
 )
 
@@ -154,7 +157,7 @@ def phase_contract(
             "student": _dump("student", job.student),
             "student_init": job.student_init,
             "teacher_hash": teacher_hash,
-            "objective": job.objective.model_dump(),
+            "objective": _dump("objective", job.objective),
             "training": _phase(phase_config or job.student_warmup),
         }
     else:
