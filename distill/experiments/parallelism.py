@@ -239,21 +239,28 @@ def check_overrides(overrides: Sequence[str], *, path_safe: bool = False) -> Non
 
 
 def _phase_overrides(job: Any, phase: str, steps: int, config: ExperimentConfig) -> list[str]:
-    section = getattr(job, phase)
-    warmup = section.optimizer.warmup_steps
+    """The experiment's length, checkpoint cadence and eval size for ``phase``; a cosine
+    warm-up of the task config's own that would not fit ``steps`` shrinks to a tenth."""
+    optimizer = getattr(job, phase).optimizer
     out = [
         f"{phase}.steps={steps}",
         f"{phase}.checkpoint_every={min(config.checkpoint_every, steps)}",
         # The phases' own evaluations have the experiment's batch shape: compiled once.
         f"{phase}.eval_examples={config.eval_prompts * config.samples}",
     ]
-    if section.optimizer.schedule == "cosine" and steps <= warmup:
+    if optimizer.schedule == "cosine" and steps <= optimizer.warmup_steps:
         out.append(f"{phase}.optimizer.warmup_steps={steps // 10}")
     return out
 
 
 def cell_job(spec: str, objective: str, loss: str, seed: int, config: ExperimentConfig) -> Any:
-    """The validated :class:`~distill.config.JobConfig` of one cell."""
+    """The validated :class:`~distill.config.JobConfig` of one cell.
+
+    The experiment's phase lengths are applied before ``config.overrides``, so an override
+    is validated against the steps its phase runs (``opd.optimizer.warmup_steps=100`` with
+    ``opd_steps`` 4000 holds whatever the task config's own ``opd.steps``), and an
+    override of a phase's length, cadence or warm-up wins; the cell's seed, objective and
+    loss variant win over every override."""
     from distill.config import load_config
 
     if spec not in TASK_SPECS:
@@ -264,14 +271,14 @@ def cell_job(spec: str, objective: str, loss: str, seed: int, config: Experiment
         raise _error("losses", f"name known loss variants ({', '.join(LOSS_VARIANTS)})", loss)
     task = TASK_SPECS[spec]
     path = ROOT / task.config
-    base = load_config(path, overrides=[*task.overrides, *config.overrides])
-    overrides = [*task.overrides, *config.overrides, f"seed={seed}", f"objective.kind={objective}"]
-    overrides += _phase_overrides(
-        base, "teacher_training", config.teacher_steps or base.teacher_training.steps, config
+    own = load_config(path, overrides=task.overrides)
+    lengths = _phase_overrides(
+        own, "teacher_training", config.teacher_steps or own.teacher_training.steps, config
     )
-    overrides += _phase_overrides(base, "student_warmup", config.warmup_steps, config)
-    overrides += _phase_overrides(base, "opd", config.opd_steps, config)
-    overrides += LOSS_VARIANTS[loss].overrides
+    lengths += _phase_overrides(own, "student_warmup", config.warmup_steps, config)
+    lengths += _phase_overrides(own, "opd", config.opd_steps, config)
+    cell = [f"seed={seed}", f"objective.kind={objective}", *LOSS_VARIANTS[loss].overrides]
+    overrides = [*task.overrides, *lengths, *config.overrides, *cell]
     return load_config(path, overrides=overrides)
 
 

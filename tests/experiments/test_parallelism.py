@@ -3,10 +3,12 @@ and configuration, and a one-cell run with a handful of steps that is resumed.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from distill.config import ConfigError
 from distill.experiments import parallelism as experiment
 from distill.experiments.polish import (
     kept_points,
@@ -73,6 +75,33 @@ def test_a_cell_job_applies_the_objective_loss_seed_and_steps():
     assert experiment.cell_job("agree16", "mdlm", "jsd", 0, CONFIG).loss.kind == "jsd"
     with pytest.raises(experiment.ExperimentError, match="`losses` must name"):
         experiment.cell_job("agree16", "mdlm", "no-such-loss", 0, CONFIG)
+
+
+def test_an_override_is_validated_against_the_experiments_phase_length():
+    # reverse's task config runs OPD for 200 steps; the experiment runs 400, so a 300-step
+    # learning-rate warm-up fits, in the warm-up-only cell as in the OPD cell.
+    config = experiment.ExperimentConfig(
+        warmup_steps=2,
+        opd_steps=400,
+        teacher_steps=2,
+        overrides=(*TINY, "opd.optimizer.schedule=cosine", "opd.optimizer.warmup_steps=300"),
+    )
+    for loss in ("none", "reverse_kl+mean_to_go"):
+        job = experiment.cell_job("reverse", "mdlm", loss, 1, config)
+        assert (job.opd.steps, job.opd.optimizer.warmup_steps, job.seed) == (400, 300, 1)
+    # The task config's own cosine warm-up (50 steps) shrinks to fit a 2-step phase.
+    assert (
+        experiment.cell_job(
+            "reverse", "mdlm", "none", 0, CONFIG
+        ).student_warmup.optimizer.warmup_steps
+        == 0
+    )
+    too_long = dataclasses.replace(config, opd_steps=300)
+    with pytest.raises(ConfigError, match="`opd.steps` must exceed"):
+        experiment.cell_job("reverse", "mdlm", "none", 0, too_long)
+    # The cell's seed wins over an override of it.
+    seeded = dataclasses.replace(CONFIG, overrides=(*TINY, "seed=7"))
+    assert experiment.cell_job("reverse", "mdlm", "none", 2, seeded).seed == 2
 
 
 def test_the_planner_variants_roll_out_with_the_learned_commit_rule():
