@@ -360,6 +360,23 @@ class PhaseConfig(_Config):
         return self
 
 
+class GuardConfig(_Config):
+    """Stops an OPD run that is making the student worse, before it trains on.
+
+    The signal is the teacher's per-token log-prob of the student's own rollouts (the
+    ``opd/teacher_logp`` curve): OPD raises it while it helps. When the mean over the last
+    ``window`` steps falls more than ``max_teacher_logp_drop`` nats below its value on the
+    first step's rollouts (the policy OPD started from), the learner stops with
+    :class:`distill.opd.guard.PolicyRegression` before saving that update. ``None`` (the
+    default): no guard. Changing it on resume is allowed: it decides when to stop, not what
+    is trained."""
+
+    section: ClassVar[str] = "guard"
+
+    max_teacher_logp_drop: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    window: int = Field(default=10, gt=0)
+
+
 StudentInit = Literal["scratch", "teacher"]
 
 
@@ -375,6 +392,7 @@ class JobConfig(_Config):
     teacher_training: PhaseConfig = Field(default_factory=PhaseConfig)
     student_warmup: PhaseConfig = Field(default_factory=PhaseConfig)
     opd: PhaseConfig = Field(default_factory=PhaseConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     # "teacher": copy the trained teacher's weights into the student (AR initialization;
     # pairs with the shifted + seed_and_mask contract, whose causal head it keeps).
     student_init: StudentInit = "scratch"

@@ -184,7 +184,9 @@ class Progress:
     ``step``: updates applied; ``data_position``: stream position of the trained data (the
     first untrained prompt); ``ledger``: ``[start, end)`` stream ranges trained by this
     state's lineage; ``policy_version``: the version of the saved parameters (= ``step``);
-    ``evaluations``: ``(step, report dict)`` pairs; ``last``: the last step's metrics."""
+    ``evaluations``: ``(step, report dict)`` pairs; ``last``: the last step's metrics;
+    ``start_teacher_logp``: OPD only, the teacher's per-token log-prob of the first step's
+    rollouts (the start the regression guard compares with; ``None`` before that step)."""
 
     step: int
     data_position: int
@@ -192,6 +194,7 @@ class Progress:
     policy_version: int = 0
     evaluations: tuple[tuple[int, dict[str, Any]], ...] = ()
     last: dict[str, float] = dataclasses.field(default_factory=dict)
+    start_teacher_logp: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -201,6 +204,7 @@ class Progress:
             "policy_version": self.policy_version,
             "evaluations": [{"step": at, "report": report} for at, report in self.evaluations],
             "last": dict(self.last),
+            "start_teacher_logp": self.start_teacher_logp,
         }
 
     @classmethod
@@ -215,6 +219,11 @@ class Progress:
                 for entry in record.get("evaluations", [])
             ),
             last=dict(record.get("last", {})),
+            start_teacher_logp=(
+                None
+                if record.get("start_teacher_logp") is None
+                else float(record["start_teacher_logp"])
+            ),
         )
 
 

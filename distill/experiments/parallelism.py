@@ -289,6 +289,11 @@ def cell_name(spec: str, objective: str, loss: str, seed: int) -> str:
     return f"{spec}__{objective}__{loss}__seed{seed}"
 
 
+def _record_name(record: Mapping[str, Any]) -> str:
+    cell = record["cell"]
+    return cell_name(cell["task"], cell["objective"], cell["loss"], cell["seed"])
+
+
 # ---- one cell --------------------------------------------------------------------------------
 
 
@@ -392,7 +397,7 @@ class Phases:
 def run_cell(phases: Phases, spec: str, objective: str, loss: str, seed: int) -> dict[str, Any]:
     """Train (or resume) and evaluate one cell; returns its record."""
     from distill.job import job_tokenizer
-    from distill.opd import run_opd
+    from distill.opd import OpdLearner, PolicyRegression, run_opd
     from distill.pipeline import in_process_teacher
 
     config = phases.config
@@ -400,19 +405,36 @@ def run_cell(phases: Phases, spec: str, objective: str, loss: str, seed: int) ->
     teacher, teacher_report = phases.teacher(spec, seed, job)
     student = phases.warm_student(spec, objective, seed, job, teacher)
     evaluations: list[tuple[int, Any]] = []
+    stopped = None
     if LOSS_VARIANTS[loss].opd:
         directory = phases.run_dir / "opd" / cell_name(spec, objective, loss, seed)
         # A finished OPD run is restored, not retrained; its evaluations come from the
         # checkpoint, so a cell recomputed after an interruption records the same ones.
-        _, evaluations = run_opd(
-            job,
-            student,
-            in_process_teacher(job, teacher),
-            job_tokenizer(job),
-            run_dir=directory,
-            progress=False,
-            log=phases.log,
-        )
+        try:
+            _, evaluations = run_opd(
+                job,
+                student,
+                in_process_teacher(job, teacher),
+                job_tokenizer(job),
+                run_dir=directory,
+                progress=False,
+                log=phases.log,
+            )
+        except PolicyRegression as error:
+            # The job's guard stopped a run that was making the student worse: the cell is
+            # a result (this recipe fails here), measured at the newest saved checkpoint.
+            phases.log(f"{cell_name(spec, objective, loss, seed)}: {error}")
+            student = phases.warm_student(spec, objective, seed, job, teacher)
+            learner = OpdLearner(
+                job,
+                student,
+                in_process_teacher(job, teacher),
+                job_tokenizer(job),
+                run_dir=directory,
+                log=phases.log,
+            )
+            evaluations, stopped = learner.reports, {"step": learner.step, "reason": str(error)}
+            learner.close()
     return {
         "format": FORMAT,
         "cell": {"task": spec, "objective": objective, "loss": loss, "seed": seed},
@@ -422,6 +444,9 @@ def run_cell(phases: Phases, spec: str, objective: str, loss: str, seed: int) ->
         "opd_evaluations": [
             {"step": step, "report": report.to_dict()} for step, report in evaluations
         ],
+        # None, or where the guard stopped OPD ({"step", "reason"}): the points are that
+        # checkpoint's.
+        "stopped": stopped,
     }
 
 
@@ -611,6 +636,13 @@ def report(
             row.append(_fmt([p["agree_entropy_bits"] for p in first], 2))
             row.append(_fmt([p["distinct_fraction"] for p in first], 2))
             lines.append("| " + " | ".join(row) + " |")
+        for record in sorted(records, key=_record_name):
+            if record.get("stopped"):
+                lines.append(
+                    f"\n`{_record_name(record)}`: OPD stopped by the guard at step "
+                    f"{record['stopped']['step']} (measured at that checkpoint): "
+                    f"{record['stopped']['reason']}"
+                )
         if run_dir is not None:
             name = f"plot-{task}.png"
             _plot(Path(run_dir) / name, task, teachers, rows)

@@ -7,6 +7,7 @@
   rollout (``rollout.commit_rule: planner``), with the per-forward cost;
 - :mod:`distill.opd.records`: a rollout as data that crosses processes (policy version,
   identity, numpy), and merging a step's parts from several workers;
+- :mod:`distill.opd.guard`: the regression guard that stops a run making the student worse;
 - :mod:`distill.opd.learner`: :class:`OpdLearner` (contract, ledger, staleness, checks,
   evaluations, checkpoints) and the in-process loop :func:`run_opd` that composes them.
 The distributed runtime (``services/``) runs the same learner with rollouts from workers.
@@ -19,6 +20,7 @@ from distill.opd.batch import (
     teacher_sequences,
     teacher_top_k,
 )
+from distill.opd.guard import PolicyRegression, TeacherLogpGuard
 from distill.opd.learner import (
     NonFiniteError,
     OpdLearner,
@@ -36,9 +38,11 @@ __all__ = [
     "JointLoss",
     "NonFiniteError",
     "OpdLearner",
+    "PolicyRegression",
     "PreparedBatch",
     "RolloutBatch",
     "StaleRollout",
+    "TeacherLogpGuard",
     "frozen_copy",
     "load_weights",
     "merge_batches",

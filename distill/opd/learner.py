@@ -12,7 +12,9 @@ the network (``services/learner``). Each :meth:`~OpdLearner.train` call:
    (:class:`StaleRollout` otherwise: the caller regenerates it);
 2. prepares it (teacher scores at learner time) and runs the jitted update;
 3. stops the job with :class:`NonFiniteError` (naming the step and metric) when the loss,
-   the importance ratio or the gradient norm is not finite, before anything is saved;
+   the importance ratio or the gradient norm is not finite, and with
+   :class:`~distill.opd.guard.PolicyRegression` when the job's ``guard`` sees the teacher's
+   log-prob of the rollouts fall too far (:mod:`distill.opd.guard`), before anything is saved;
 4. extends the ledger, evaluates and checkpoints on the phase's cadence.
 
 Rollouts are a pure function of (student parameters, seed, step, row): a rollout in flight
@@ -44,6 +46,7 @@ from distill.job import JobPlan, Progress
 from distill.losses import OpdLoss
 from distill.models.transformer import Transformer
 from distill.opd.batch import prepare_batch, task_rewards, teacher_top_k
+from distill.opd.guard import TeacherLogpGuard
 from distill.opd.planner_loss import JointLoss
 from distill.opd.records import RolloutBatch, merge_batches, save_batch
 from distill.opd.update import frozen_copy, opd_update
@@ -149,6 +152,7 @@ class OpdLearner:
         self.ledger: list[list[int]] = []
         self.reports: list[tuple[int, EvalReport]] = []
         self.dropped_stale = 0
+        start_teacher_logp = None
         if run_dir is not None:
             contract = self.plan.contract(
                 "opd",
@@ -163,9 +167,11 @@ class OpdLearner:
                 self.step = restored.step
                 log(f"resumed {run_dir} at step {self.step}")
                 self.reports = [(at, EvalReport(**report)) for at, report in progress.evaluations]
+                start_teacher_logp = progress.start_teacher_logp
             self.ledger = restored_ledger(
                 restored, self.step * self.plan.prompts_per_step, Path(run_dir)
             )
+        self.guard = TeacherLogpGuard(job.guard, start_teacher_logp)
 
     # ---- what a step trains on ---------------------------------------------------------
 
@@ -313,6 +319,7 @@ class OpdLearner:
                     f"`metrics.{name}` must be finite; received {metrics[name]} at step {step} "
                     "(the job stops before saving this update)"
                 )
+        self.guard.observe(step, metrics["teacher_logp"])
         if prepared.refused_rows is not None:
             metrics["refused_rows"] = float(np.asarray(prepared.refused_rows).sum())
         metrics["tokens_per_forward"] = trace.tokens_per_forward()
@@ -351,6 +358,7 @@ class OpdLearner:
             policy_version=self.policy_version,
             evaluations=tuple((at, report.to_dict()) for at, report in self.reports),
             last=dict(last or {}),
+            start_teacher_logp=self.guard.start,
         )
 
     def save(self, last: dict[str, float] | None = None) -> None:

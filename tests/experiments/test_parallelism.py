@@ -343,3 +343,31 @@ def test_a_planner_cell_shares_the_warm_up_and_is_evaluated_with_its_own_rule(fi
     assert record["points"][-1]["count"] == 4
     assert [entry["step"] for entry in record["opd_evaluations"]] == [0, 2]
     assert after[CELL] == cells[CELL]
+
+
+@pytest.mark.slow
+def test_a_cell_the_guard_stops_is_recorded_and_measured_at_its_last_checkpoint(
+    tmp_path, monkeypatch
+):
+    from distill import pipeline
+    from tests.support.fakes import ScriptedTeacher
+
+    real = pipeline.in_process_teacher
+    # Each scoring call is 5 nats lower than the last: step 1's window is 5 below the start.
+    monkeypatch.setattr(
+        pipeline,
+        "in_process_teacher",
+        lambda job, model: ScriptedTeacher(real(job, model), drift=5.0),
+    )
+    guarded = dataclasses.replace(
+        CONFIG, overrides=(*TINY, "guard.max_teacher_logp_drop=1.0", "guard.window=1")
+    )
+    said: list[str] = []
+    cells = experiment.run(guarded, tmp_path, progress=False, log=said.append, **GRID)
+    record = cells[CELL]
+    assert record["stopped"]["step"] == 1
+    assert "guard.max_teacher_logp_drop=1.0" in record["stopped"]["reason"]
+    assert [entry["step"] for entry in record["opd_evaluations"]] == [0]
+    assert len(record["points"]) == 3  # the student of the step-1 checkpoint was evaluated
+    assert any("stopped by" in line or "must stay within" in line for line in said)
+    assert f"`{CELL}`: OPD stopped by the guard at step 1" in (tmp_path / "report.md").read_text()
