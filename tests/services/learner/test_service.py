@@ -177,3 +177,58 @@ def test_the_runtime_refuses_waits_out_of_range_naming_the_field(service, field,
             publish=lambda version, weights: None,
             **{field: value},
         )
+
+
+def test_a_guard_trip_fails_the_runtime_by_name_and_tells_the_workers_done(tmp_path):
+    from distill.opd.guard import PolicyRegression
+    from tests.support.fakes import ScriptedTeacher
+
+    job = tiny_job(
+        "opd.steps=4", "guard.max_teacher_logp_drop=1.0", "guard.window=1", "loss.max_staleness=0"
+    )
+    teacher_model, student = tiny_models(job)
+    tokenizer = pipeline.job_tokenizer(job)
+    # Each scoring call is 5 nats lower than the last: step 1 is 5 below the start.
+    teacher = ScriptedTeacher(InProcessTeacher(teacher_model, tokenizer), drift=5.0)
+    learner = OpdLearner(job, student, teacher, tokenizer, log=lambda _: None)
+    published = {}
+    runtime = LearnerRuntime(
+        learner,
+        shards_per_step=1,
+        publish=lambda version, weights: published.__setitem__(version, weights),
+        step_timeout_s=120,
+    )
+    address = runtime.start()
+    failure = []
+
+    def train():
+        try:
+            runtime.run()
+        except PolicyRegression as error:
+            failure.append(error)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    worker = RolloutWorker(
+        job,
+        worker_id="w0",
+        learner_address=address,
+        fetch_weights=published.__getitem__,
+        call_timeout_s=120,
+    )
+    try:
+        counts = worker.run()
+        trainer.join(timeout=300)
+        assert not trainer.is_alive() and len(failure) == 1
+        assert runtime.learner.step == 1  # step 1's update tripped the guard, unsaved
+        assert counts["rows_pushed"] == 2 * learner.plan.rows_per_step
+        with grpc.insecure_channel(address) as channel:
+            stub = learner_pb2_grpc.LearnerServiceStub(channel)
+            status = stub.Status(learner_pb2.StatusRequest(), timeout=10)
+            assert status.done and "PolicyRegression" in status.error
+            assert "guard.max_teacher_logp_drop=1.0" in status.error
+            done = stub.AcquireWork(learner_pb2.WorkRequest(worker_id="late"), timeout=10)
+            assert done.kind == learner_pb2.WorkAssignment.DONE
+    finally:
+        worker.close()
+        runtime.stop(grace_s=1)
