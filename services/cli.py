@@ -733,10 +733,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distill {args.command}: {error}", file=sys.stderr)
         return 1
     except Exception as error:
+        # A guard trip is an outcome of the run, not a bug: its message says what to change.
+        # (distill.opd imports JAX: only looked up once something failed.)
+        from distill.opd.guard import PolicyRegression
         from services.jobs.api import JobsApiError
         from services.jobs.driver import JobFailed
 
-        if not isinstance(error, JobFailed | JobsApiError):
+        if not isinstance(error, JobFailed | JobsApiError | PolicyRegression):
             raise
         print(f"distill {args.command}: {error}", file=sys.stderr)
         return 1

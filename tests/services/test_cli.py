@@ -42,6 +42,18 @@ def test_unknown_override_is_reported_by_field_with_exit_status_two(tmp_path, ca
     assert "`teacher.n_layers` must be greater than 0" in capsys.readouterr().err
 
 
+def test_a_guard_trip_is_reported_by_message_with_exit_status_one(tmp_path, capsys, monkeypatch):
+    from distill.opd.guard import PolicyRegression
+
+    def tripped(args):
+        raise PolicyRegression("`metrics.teacher_logp` must stay within ...")
+
+    monkeypatch.setattr(cli, "_opd", tripped)
+    args = ["opd", "deploy/configs/tiny.yaml", "--run-dir", str(tmp_path), "--student-run", "x"]
+    assert cli.main(args) == 1
+    assert "distill opd: `metrics.teacher_logp` must stay within" in capsys.readouterr().err
+
+
 def test_warmup_from_teacher_requires_a_teacher_run(tmp_path, capsys):
     status = cli.main(["warmup-student", "deploy/configs/tiny.yaml", "--run-dir", str(tmp_path)])
     assert status == 2
