@@ -486,6 +486,13 @@ def _learner_failed(error: BaseException, run_dir: Path | None) -> JobFailed:
         if step is not None
         else "from the start of OPD (no checkpoint yet)"
     )
+    # distill.opd.guard.PolicyRegression, by name: importing it would load JAX in the driver.
+    if type(getattr(error, "cause", None) or error).__name__ == "PolicyRegression":
+        return JobFailed(
+            f"the learner failed: {_reason(error)} (the job's guard stopped OPD: a rerun "
+            f"resumes {resume} and trips again once its window refills; lower "
+            "opd.optimizer.learning_rate and use a new run directory)"
+        )
     return JobFailed(
         f"the learner failed: {_reason(error)} (the learner is not restarted in place; rerun "
         f"the same command with the same run directory to resume {resume})"

@@ -41,3 +41,17 @@ def test_a_learner_that_dies_under_the_status_call_fails_the_job_naming_the_lear
             _supervise(learner, {}, 4, 0, False, lambda line: None, Watchdog(None, 0))
     finally:
         ray.kill(slow)
+
+
+def test_a_guard_trip_says_a_rerun_trips_again_and_what_to_change(tmp_path):
+    from distill.opd.guard import PolicyRegression
+    from services.jobs.driver import _learner_failed
+
+    (tmp_path / "opd" / "checkpoints" / "40").mkdir(parents=True)
+    raised = SimpleNamespace(cause=PolicyRegression("`metrics.teacher_logp` must stay ..."))
+    message = str(_learner_failed(raised, tmp_path))
+    assert message.startswith("the learner failed: PolicyRegression: `metrics.teacher_logp`")
+    assert "from its newest checkpoint (step 40) and trips again" in message
+    assert "lower opd.optimizer.learning_rate and use a new run directory" in message
+    other = str(_learner_failed(RuntimeError("boom"), tmp_path))
+    assert "rerun the same command with the same run directory to resume" in other
