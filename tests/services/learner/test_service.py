@@ -21,23 +21,30 @@ from services.rollout.worker import RolloutWorker
 from tests.support.fakes import tiny_job, tiny_models
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    job = tiny_job("opd.steps=2", "loss.max_staleness=0")
+def local_runtime(job, *, shards_per_step, wrap_teacher=lambda teacher: teacher, **options):
+    """A started LearnerRuntime over a tiny in-process learner (``wrap_teacher`` may replace
+    its teacher); returns (runtime, published weights by version, address)."""
     teacher_model, student = tiny_models(job)
     tokenizer = pipeline.job_tokenizer(job)
-    learner = OpdLearner(
-        job, student, InProcessTeacher(teacher_model, tokenizer), tokenizer, log=lambda _: None
-    )
+    teacher = wrap_teacher(InProcessTeacher(teacher_model, tokenizer))
+    learner = OpdLearner(job, student, teacher, tokenizer, log=lambda _: None)
     published = {}
     runtime = LearnerRuntime(
         learner,
-        shards_per_step=2,
+        shards_per_step=shards_per_step,
         publish=lambda version, weights: published.__setitem__(version, weights),
         step_timeout_s=120,
-        tensorboard_dir=tmp_path_factory.mktemp("tensorboard"),
+        **options,
     )
-    address = runtime.start()
+    return runtime, published, runtime.start()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    job = tiny_job("opd.steps=2", "loss.max_staleness=0")
+    runtime, published, address = local_runtime(
+        job, shards_per_step=2, tensorboard_dir=tmp_path_factory.mktemp("tensorboard")
+    )
     channel = grpc.insecure_channel(address)
     stub = learner_pb2_grpc.LearnerServiceStub(channel)
     yield job, runtime, stub, published, address
@@ -186,19 +193,10 @@ def test_a_guard_trip_fails_the_runtime_by_name_and_tells_the_workers_done(tmp_p
     job = tiny_job(
         "opd.steps=4", "guard.max_teacher_logp_drop=1.0", "guard.window=1", "loss.max_staleness=0"
     )
-    teacher_model, student = tiny_models(job)
-    tokenizer = pipeline.job_tokenizer(job)
     # Each scoring call is 5 nats lower than the last: step 1 is 5 below the start.
-    teacher = ScriptedTeacher(InProcessTeacher(teacher_model, tokenizer), drift=5.0)
-    learner = OpdLearner(job, student, teacher, tokenizer, log=lambda _: None)
-    published = {}
-    runtime = LearnerRuntime(
-        learner,
-        shards_per_step=1,
-        publish=lambda version, weights: published.__setitem__(version, weights),
-        step_timeout_s=120,
+    runtime, published, address = local_runtime(
+        job, shards_per_step=1, wrap_teacher=lambda teacher: ScriptedTeacher(teacher, drift=5.0)
     )
-    address = runtime.start()
     failure = []
 
     def train():
@@ -221,7 +219,7 @@ def test_a_guard_trip_fails_the_runtime_by_name_and_tells_the_workers_done(tmp_p
         trainer.join(timeout=300)
         assert not trainer.is_alive() and len(failure) == 1
         assert runtime.learner.step == 1  # step 1's update tripped the guard, unsaved
-        assert counts["rows_pushed"] == 2 * learner.plan.rows_per_step
+        assert counts["rows_pushed"] == 2 * runtime.learner.plan.rows_per_step
         with grpc.insecure_channel(address) as channel:
             stub = learner_pb2_grpc.LearnerServiceStub(channel)
             status = stub.Status(learner_pb2.StatusRequest(), timeout=10)
