@@ -52,12 +52,11 @@ def drifting_learner(run_dir, *overrides, drift=1.0):
     teacher_model, student = tiny_models(job)
     tokenizer = pipeline.job_tokenizer(job)
     teacher = ScriptedTeacher(InProcessTeacher(teacher_model, tokenizer), drift=drift)
-    learner = OpdLearner(job, student, teacher, tokenizer, run_dir=run_dir, log=lambda _: None)
-    return learner, teacher
+    return OpdLearner(job, student, teacher, tokenizer, run_dir=run_dir, log=lambda _: None)
 
 
 def test_a_falling_teacher_logp_stops_the_learner_before_the_update_is_saved(tmp_path):
-    learner, _ = drifting_learner(tmp_path, "guard.max_teacher_logp_drop=1.0", "guard.window=2")
+    learner = drifting_learner(tmp_path, "guard.max_teacher_logp_drop=1.0", "guard.window=2")
     start = None
     # Window means fall ~0.5 (steps 0-1), then ~1.5 (steps 1-2) below the start.
     with pytest.raises(PolicyRegression, match=r"over steps 1-2\. .* saving step 2's update"):
@@ -71,10 +70,10 @@ def test_a_falling_teacher_logp_stops_the_learner_before_the_update_is_saved(tmp
 
 
 def test_a_resumed_learner_keeps_the_first_steps_start(tmp_path):
-    learner, _ = drifting_learner(tmp_path, drift=0.0)
+    learner = drifting_learner(tmp_path, drift=0.0)
     first = learner.train(learner.roll_out())["teacher_logp"]
     learner.train(learner.roll_out())
     learner.close()
-    resumed, _ = drifting_learner(tmp_path, "guard.max_teacher_logp_drop=1.0", drift=0.0)
+    resumed = drifting_learner(tmp_path, "guard.max_teacher_logp_drop=1.0", drift=0.0)
     assert resumed.step == 2 and resumed.guard.start == pytest.approx(first)
     resumed.close()
