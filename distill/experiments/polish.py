@@ -21,8 +21,11 @@ the stage name (``__rollout.threshold=0.0``). The stage
 helps some seeds and hurts others, so the student before and after it is scored on the first
 ``--validation-prompts`` prompts of the ``validation`` split (never trained on, never
 reported) and the one with the higher mean exact match over the evaluation points is
-``kept`` (the stage must win strictly). Both are also evaluated on the eval set; the record
-(the teacher, ``before``, the continued student's ``points``, ``validation``, ``kept`` and
+``kept`` (the stage must win strictly). A stage the job's guard stops (its rollouts scored
+lower and lower by the teacher: ``PolicyRegression``) is judged the same way at its newest
+saved checkpoint (the student before it when it saved none) and recorded with ``stopped``
+({step, reason}). Both are also evaluated on the eval set; the record (the teacher,
+``before``, the continued student's ``points``, ``validation``, ``kept``, ``stopped`` and
 the ``kept_run`` whose final checkpoint to use) goes to
 ``polish/<cell>__<loss>__<steps>__lr<rate>__<prompts>x<samples>__val<n>.json`` and is reused
 when present. The cell's own run directory is only read.
@@ -79,7 +82,7 @@ def polish(
     ``overrides`` the job configuration refuses (checked before anything trains)."""
     from distill.config import ConfigError
     from distill.job import job_tokenizer
-    from distill.opd import run_opd
+    from distill.opd import OpdLearner, PolicyRegression, run_opd
     from distill.pipeline import in_process_teacher
 
     if loss not in LOSS_VARIANTS or not LOSS_VARIANTS[loss].opd:
@@ -132,15 +135,33 @@ def polish(
             validation_before = validating.evaluate(job, student, cell["seed"])
             before = Phases(run_dir, evaluation, log).evaluate(job, student, cell["seed"])
             stage_job = stage_jobs[name]
-            run_opd(
-                stage_job,
-                student,
-                in_process_teacher(stage_job, teacher),
-                job_tokenizer(stage_job),
-                run_dir=run_dir / "polish" / stage,
-                progress=False,
-                log=log,
-            )
+            stopped = None
+            try:
+                run_opd(
+                    stage_job,
+                    student,
+                    in_process_teacher(stage_job, teacher),
+                    job_tokenizer(stage_job),
+                    run_dir=run_dir / "polish" / stage,
+                    progress=False,
+                    log=log,
+                )
+            except PolicyRegression as regression:
+                # The guard stopped a stage that was making the student worse; its live
+                # parameters hold the unsaved update, so the stage is judged at its newest
+                # saved checkpoint, restored onto the student before it.
+                log(f"{stage}: {regression}")
+                job, teacher, student = finished_cell(run_dir, trained, cell, log)
+                learner = OpdLearner(
+                    stage_job,
+                    student,
+                    in_process_teacher(stage_job, teacher),
+                    job_tokenizer(stage_job),
+                    run_dir=run_dir / "polish" / stage,
+                    log=log,
+                )
+                stopped = {"step": learner.step, "reason": str(regression)}
+                learner.close()
             record = evaluation_record(run_dir, evaluation, cell, stage_job, teacher, student, log)
             validation_after = validating.evaluate(stage_job, student, cell["seed"])
             record["polish"] = {"loss": loss, "steps": steps, "learning_rate": learning_rate}
@@ -154,6 +175,8 @@ def polish(
                 "after": validation_after,
             }
             record["kept"] = kept_side(validation_before, validation_after)
+            # None, or where the guard stopped the stage: "after" is that checkpoint's student.
+            record["stopped"] = stopped
             # The run directory (relative to ``run_dir``) whose final checkpoint is kept.
             record["kept_run"] = f"polish/{stage}" if record["kept"] == "after" else f"opd/{name}"
             write_json(path, record)
@@ -205,11 +228,18 @@ def selection_table(records: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {stage} | {record['teacher']['overall']:.3f} | "
             f"{selection_score(validation['before']):.3f} / "
-            f"{selection_score(validation['after']):.3f} | {record['kept']} | "
+            f"{selection_score(validation['after']):.3f} | {record['kept']}{stopped_note(record)} | "
             + " | ".join(cells)
             + " |"
         )
     return "\n".join(lines)
+
+
+def stopped_note(record: dict[str, Any]) -> str:
+    """`` (stage stopped by the guard at step N)`` for a stage the guard stopped, else ``""``
+    (records written before the guard have no ``stopped``)."""
+    stopped = record.get("stopped")
+    return "" if stopped is None else f" (stage stopped by the guard at step {stopped['step']})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

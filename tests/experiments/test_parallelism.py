@@ -198,6 +198,64 @@ def test_a_polish_stage_continues_each_opd_cell_keeps_the_held_out_winner_and_re
     assert again == record  # reused, not retrained
 
 
+@pytest.mark.slow
+def test_a_polish_stage_the_guard_stops_is_judged_at_its_last_checkpoint(finished, monkeypatch):
+    from distill import pipeline
+    from tests.support.fakes import ScriptedTeacher
+
+    run_dir, _ = finished
+    real = pipeline.in_process_teacher
+    # Each scoring call is 5 nats lower than the last: the stage's second step trips.
+    monkeypatch.setattr(
+        pipeline,
+        "in_process_teacher",
+        lambda job, model: ScriptedTeacher(real(job, model), drift=5.0),
+    )
+    guard = ["guard.max_teacher_logp_drop=1.0", "guard.window=1"]
+    said: list[str] = []
+    records = polish(
+        run_dir,
+        loss="forward_kl",
+        steps=3,
+        learning_rate=1e-4,
+        validation_prompts=3,
+        overrides=guard,
+        prompts=2,
+        samples=2,
+        ks=[16],
+        thresholds=[0.9],
+        log=said.append,
+    )
+    stage = "__".join((f"{CELL}__forward_kl__3__lr0.0001", *guard))
+    record = records[stage]
+    saved = sorted(
+        int(path.name) for path in (run_dir / "polish" / stage / "checkpoints").iterdir()
+    )
+    assert record["stopped"]["step"] == saved[-1] == 1  # step 2 tripped and was not saved
+    assert "guard.max_teacher_logp_drop=1.0" in record["stopped"]["reason"]
+    assert any(line.startswith(f"{stage}: `metrics.teacher_logp` must stay") for line in said)
+    assert record["kept"] == kept_side(
+        record["validation"]["before"], record["validation"]["after"]
+    )
+    assert "stage stopped by the guard at step 1" in selection_table(records)
+    assert (
+        polish(
+            run_dir,
+            loss="forward_kl",
+            steps=3,
+            learning_rate=1e-4,
+            validation_prompts=3,
+            overrides=guard,
+            prompts=2,
+            samples=2,
+            ks=[16],
+            thresholds=[0.9],
+            log=said.append,
+        )
+        == records
+    )  # the stopped stage's record is reused, not retrained
+
+
 def test_the_kept_student_must_win_on_held_out_prompts_strictly():
     def points(*scores):
         return [{"overall": score} for score in scores]
