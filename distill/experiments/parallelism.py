@@ -394,10 +394,35 @@ class Phases:
         return points
 
 
+def restore_saved(
+    job: Any, student: Any, teacher: Any, directory: Path, log: Log
+) -> tuple[int, list[tuple[int, Any]]]:
+    """Restore the newest checkpoint of the OPD run in ``directory`` onto ``student`` (the
+    student it started from; left as it is when nothing was saved) without training;
+    returns the restored step and the run's evaluations ``(step, report)``. For a run the
+    guard stopped: its live parameters hold an update that was never saved."""
+    from distill.job import job_tokenizer
+    from distill.opd import OpdLearner
+    from distill.pipeline import in_process_teacher
+
+    learner = OpdLearner(
+        job,
+        student,
+        in_process_teacher(job, teacher),
+        job_tokenizer(job),
+        run_dir=directory,
+        log=log,
+    )
+    try:
+        return learner.step, learner.reports
+    finally:
+        learner.close()
+
+
 def run_cell(phases: Phases, spec: str, objective: str, loss: str, seed: int) -> dict[str, Any]:
     """Train (or resume) and evaluate one cell; returns its record."""
     from distill.job import job_tokenizer
-    from distill.opd import OpdLearner, PolicyRegression, run_opd
+    from distill.opd import PolicyRegression, run_opd
     from distill.pipeline import in_process_teacher
 
     config = phases.config
@@ -425,16 +450,8 @@ def run_cell(phases: Phases, spec: str, objective: str, loss: str, seed: int) ->
             # a result (this recipe fails here), measured at the newest saved checkpoint.
             phases.log(f"{cell_name(spec, objective, loss, seed)}: {error}")
             student = phases.warm_student(spec, objective, seed, job, teacher)
-            learner = OpdLearner(
-                job,
-                student,
-                in_process_teacher(job, teacher),
-                job_tokenizer(job),
-                run_dir=directory,
-                log=phases.log,
-            )
-            evaluations, stopped = learner.reports, {"step": learner.step, "reason": str(error)}
-            learner.close()
+            step, evaluations = restore_saved(job, student, teacher, directory, phases.log)
+            stopped = {"step": step, "reason": str(error)}
     return {
         "format": FORMAT,
         "cell": {"task": spec, "objective": objective, "loss": loss, "seed": seed},

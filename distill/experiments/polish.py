@@ -47,6 +47,7 @@ from distill.experiments.parallelism import (
     check_overrides,
     load_cells,
     override_argument,
+    restore_saved,
 )
 from distill.experiments.reevaluate import (
     Log,
@@ -82,7 +83,7 @@ def polish(
     ``overrides`` the job configuration refuses (checked before anything trains)."""
     from distill.config import ConfigError
     from distill.job import job_tokenizer
-    from distill.opd import OpdLearner, PolicyRegression, run_opd
+    from distill.opd import PolicyRegression, run_opd
     from distill.pipeline import in_process_teacher
 
     if loss not in LOSS_VARIANTS or not LOSS_VARIANTS[loss].opd:
@@ -152,16 +153,10 @@ def polish(
                 # saved checkpoint, restored onto the student before it.
                 log(f"{stage}: {regression}")
                 job, teacher, student = finished_cell(run_dir, trained, cell, log)
-                learner = OpdLearner(
-                    stage_job,
-                    student,
-                    in_process_teacher(stage_job, teacher),
-                    job_tokenizer(stage_job),
-                    run_dir=run_dir / "polish" / stage,
-                    log=log,
+                step, _ = restore_saved(
+                    stage_job, student, teacher, run_dir / "polish" / stage, log
                 )
-                stopped = {"step": learner.step, "reason": str(regression)}
-                learner.close()
+                stopped = {"step": step, "reason": str(regression)}
             record = evaluation_record(run_dir, evaluation, cell, stage_job, teacher, student, log)
             validation_after = validating.evaluate(stage_job, student, cell["seed"])
             record["polish"] = {"loss": loss, "steps": steps, "learning_rate": learning_rate}

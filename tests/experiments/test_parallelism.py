@@ -213,19 +213,9 @@ def test_a_polish_stage_the_guard_stops_is_judged_at_its_last_checkpoint(finishe
     )
     guard = ["guard.max_teacher_logp_drop=1.0", "guard.window=1"]
     said: list[str] = []
-    records = polish(
-        run_dir,
-        loss="forward_kl",
-        steps=3,
-        learning_rate=1e-4,
-        validation_prompts=3,
-        overrides=guard,
-        prompts=2,
-        samples=2,
-        ks=[16],
-        thresholds=[0.9],
-        log=said.append,
-    )
+    settings = dict(loss="forward_kl", steps=3, learning_rate=1e-4, validation_prompts=3)
+    evaluation = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9])
+    records = polish(run_dir, **settings, **evaluation, overrides=guard, log=said.append)
     stage = "__".join((f"{CELL}__forward_kl__3__lr0.0001", *guard))
     record = records[stage]
     saved = sorted(
@@ -238,22 +228,8 @@ def test_a_polish_stage_the_guard_stops_is_judged_at_its_last_checkpoint(finishe
         record["validation"]["before"], record["validation"]["after"]
     )
     assert "stage stopped by the guard at step 1" in selection_table(records)
-    assert (
-        polish(
-            run_dir,
-            loss="forward_kl",
-            steps=3,
-            learning_rate=1e-4,
-            validation_prompts=3,
-            overrides=guard,
-            prompts=2,
-            samples=2,
-            ks=[16],
-            thresholds=[0.9],
-            log=said.append,
-        )
-        == records
-    )  # the stopped stage's record is reused, not retrained
+    again = polish(run_dir, **settings, **evaluation, overrides=guard, log=said.append)
+    assert again == records  # the stopped stage's record is reused, not retrained
 
 
 def test_the_kept_student_must_win_on_held_out_prompts_strictly():
