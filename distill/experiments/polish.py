@@ -150,9 +150,10 @@ def polish(
             except PolicyRegression as regression:
                 # The guard stopped a stage that was making the student worse; its live
                 # parameters hold the unsaved update, so the stage is judged at its newest
-                # saved checkpoint, restored onto the student before it.
+                # saved checkpoint, restored onto the student before it (reloaded: the live
+                # one was trained in place; the teacher was not).
                 log(f"{stage}: {regression}")
-                job, teacher, student = finished_cell(run_dir, trained, cell, log)
+                _, _, student = finished_cell(run_dir, trained, cell, log)
                 step, _ = restore_saved(
                     stage_job, student, teacher, run_dir / "polish" / stage, log
                 )
