@@ -365,7 +365,18 @@ class Phases:
             warmup_student(warmup_job, directory, teacher=teacher, progress=False, log=self.log)
         return load_student_run(job, directory, teacher=teacher, log=self.log)
 
-    def evaluate(self, job: Any, student: Any, seed: int) -> list[dict[str, Any]]:
+    def evaluate(
+        self,
+        job: Any,
+        student: Any,
+        seed: int,
+        *,
+        ks: Sequence[int] | None = None,
+        thresholds: Sequence[float] | None = None,
+    ) -> list[dict[str, Any]]:
+        """``student``'s points: at each of ``ks`` then ``thresholds`` (the configuration's
+        when None), then as trained for a learned commit rule. Each point is measured with
+        ``seed`` on its own, so which other points are asked for changes none of them."""
         from distill.evaluate import at_parallelism, at_threshold, evaluate_student
         from distill.job import JobPlan
 
@@ -385,9 +396,9 @@ class Phases:
                 samples_per_prompt=self.config.samples,
             )
 
-        for k in self.config.ks:
+        for k in self.config.ks if ks is None else ks:
             points.append(_point("schedule", k, measure(at_parallelism(base, k, block))))
-        for threshold in self.config.thresholds:
+        for threshold in self.config.thresholds if thresholds is None else thresholds:
             points.append(_point("threshold", threshold, measure(at_threshold(base, threshold))))
         if base.commit_rule not in ("schedule", "threshold"):
             points.append(_point(base.commit_rule, "as trained", measure(base)))

@@ -54,6 +54,8 @@ from distill.experiments.reevaluate import (
     evaluation_arguments,
     evaluation_record,
     finished_cell,
+    point_key,
+    requested_keys,
     run_command,
     run_config,
 )
@@ -130,7 +132,20 @@ def polish(
         stage = "__".join((f"{name}__{loss}__{steps}__lr{learning_rate:g}", *overrides))
         path = run_dir / "polish" / f"{stage}__{prompts}x{samples}__val{validation_prompts}.json"
         record = read_json(path)
-        if record is None:
+        if record is not None:
+            stored = [point_key(point) for point in record["validation"]["before"]]
+            asked = requested_keys(ks, thresholds) + [
+                key for key in stored if key[0] not in ("schedule", "threshold")
+            ]
+            if stored != asked:
+                # Which student is kept was judged on these points: another set is another
+                # judgement, never silently the stored one.
+                raise error(
+                    "ks and thresholds",
+                    f"be the points {path} was judged on ({stored}), or the record removed",
+                    {"ks": list(ks), "thresholds": list(thresholds)},
+                )
+        else:
             job, teacher, student = finished_cell(run_dir, trained, cell, log)
             # Scored before the stage: run_opd trains (or restores) the student in place.
             validation_before = validating.evaluate(job, student, cell["seed"])

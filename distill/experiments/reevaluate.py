@@ -9,8 +9,9 @@ schedule points and thresholds, at temperature 1 with the cell's seed::
     python -m distill.experiments.reevaluate --run-dir runs/parallelism/copy \\
         --prompts 256 --samples 4 --ks 8 16 --thresholds 0.9
 
-Each cell's record goes to ``reevaluations/<cell>__<prompts>x<samples>.json`` (reused when
-present) and a markdown table is printed. Only cells with a record in ``cells/`` are read,
+Each cell's record goes to ``reevaluations/<cell>__<prompts>x<samples>.json``, reused when
+present: a point it lacks (another ``--ks`` or ``--thresholds``) is measured and added to it,
+and the table printed shows the points asked for. Only cells with a record in ``cells/`` are read,
 so an unfinished OPD run is never trained from here.
 """
 
@@ -140,8 +141,47 @@ def reevaluate(
             stored = reevaluate_cell(run_dir, trained, evaluation, record["cell"], log)
             write_json(path, stored)
             log(f"wrote {path}")
-        records[name] = stored
+        else:
+            have = {point_key(point) for point in stored["points"]}
+            missing_ks = [k for k in ks if ("schedule", k) not in have]
+            missing_thresholds = [t for t in thresholds if ("threshold", t) not in have]
+            if missing_ks or missing_thresholds:
+                # Each point is its own seeded evaluation, so a point added later is the
+                # one a single call would have measured; the record keeps every point.
+                job, _, student = finished_cell(run_dir, trained, record["cell"], log)
+                added = Phases(run_dir, evaluation, log).evaluate(
+                    job,
+                    student,
+                    record["cell"]["seed"],
+                    ks=missing_ks,
+                    thresholds=missing_thresholds,
+                )
+                stored["points"] += [point for point in added if point_key(point) not in have]
+                write_json(path, stored)
+                log(f"added {len(added)} point(s) to {path}")
+        records[name] = {**stored, "points": requested_points(stored["points"], ks, thresholds)}
     return records
+
+
+def point_key(point: dict[str, Any]) -> tuple[str, Any]:
+    """``(rule, setting)``: what identifies an evaluation point in a record."""
+    return point["rule"], point["setting"]
+
+
+def requested_keys(ks: Sequence[int], thresholds: Sequence[float]) -> list[tuple[str, Any]]:
+    """The keys of the schedule and threshold points ``ks`` and ``thresholds`` ask for."""
+    return [("schedule", k) for k in ks] + [("threshold", t) for t in thresholds]
+
+
+def requested_points(
+    points: Sequence[dict[str, Any]], ks: Sequence[int], thresholds: Sequence[float]
+) -> list[dict[str, Any]]:
+    """The ``points`` at ``ks`` then ``thresholds``, in that order, then any point of a
+    learned commit rule (measured as trained, whatever was asked)."""
+    by_key = {point_key(point): point for point in points}
+    keys = requested_keys(ks, thresholds)
+    learned = [point for point in points if point["rule"] not in ("schedule", "threshold")]
+    return [by_key[key] for key in keys if key in by_key] + learned
 
 
 def table(records: dict[str, dict[str, Any]]) -> str:

@@ -153,6 +153,25 @@ def test_reevaluation_scores_the_finished_cell_on_more_prompts_and_trains_nothin
 
 
 @pytest.mark.slow
+def test_reevaluation_at_another_threshold_adds_the_point_a_single_call_would_measure(finished):
+    run_dir, _ = finished
+    quiet = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
+    first = reevaluate(run_dir, **quiet)[CELL]
+    wider = reevaluate(run_dir, **(quiet | {"thresholds": [0.5, 0.9]}))[CELL]
+    assert [(p["rule"], p["setting"]) for p in wider["points"]] == [
+        ("schedule", 16),
+        ("threshold", 0.5),
+        ("threshold", 0.9),
+    ]
+    assert [wider["points"][0], wider["points"][2]] == first["points"]  # reused
+    saved = run_dir / "reevaluations" / f"{CELL}__2x2.json"
+    assert len(json.loads(saved.read_text())["points"]) == 3  # the record keeps every point
+    assert reevaluate(run_dir, **quiet)[CELL] == first  # the table shows what was asked
+    saved.unlink()
+    assert reevaluate(run_dir, **(quiet | {"thresholds": [0.5, 0.9]}))[CELL] == wider
+
+
+@pytest.mark.slow
 def test_a_polish_stage_continues_each_opd_cell_keeps_the_held_out_winner_and_reuses_it(finished):
     run_dir, _ = finished
     checkpoints = run_dir / "opd" / CELL / "checkpoints"
@@ -196,6 +215,9 @@ def test_a_polish_stage_continues_each_opd_cell_keeps_the_held_out_winner_and_re
     assert (run_dir / "polish" / f"{stage}__2x2__val3.json").is_file()
     again = polish(run_dir, **settings, **quiet)[stage]
     assert again == record  # reused, not retrained
+    # The kept student was judged at these points; other points are another judgement.
+    with pytest.raises(experiment.ExperimentError, match="`ks and thresholds` must be the points"):
+        polish(run_dir, **settings, **(quiet | {"thresholds": [0.5, 0.9]}))
 
 
 @pytest.mark.slow
