@@ -11,10 +11,13 @@ a ``polish`` record its second stage (loss, steps, rate, overrides) with the stu
 stage's validation kept. Run directories that differ only in their seed therefore share a
 recipe. Each (recipe, seed) is judged on its record with the most completions: the cell's
 own (``cells/``), a re-evaluation (``reevaluations/``) or a polish record's ``before`` for
-the OPD student, the polish record itself for a stage. The student's score is its best
-evaluation point with at least ``--min-tokens-per-forward`` tokens per forward (a choice
-among a handful of points on the eval set, so slightly optimistic), against the teacher on
-the same completions.
+the OPD student, the polish record itself for a stage. The student's score is one of its
+evaluation points with at least ``--min-tokens-per-forward`` tokens per forward, against the
+teacher on the same completions. Which point: the best on held-out validation prompts when
+there are validation measurements of that student (``reevaluate --split validation`` for a
+cell's student, a polish record's own validation points for a stage), else the best on the
+eval set itself (a choice among a handful of points on the completions it reports, so
+slightly optimistic; the table says which).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 from distill.experiments.parallelism import ExperimentConfig, load_cells
 from distill.experiments.polish import kept_points
-from distill.experiments.reevaluate import run_config
+from distill.experiments.reevaluate import point_key, run_config
 from distill.experiments.run_dir import ExperimentError, error, read_json
 
 __all__ = ["BarRow", "bar_rows", "bar_table", "main"]
@@ -38,9 +41,11 @@ __all__ = ["BarRow", "bar_rows", "bar_table", "main"]
 class BarRow:
     """One (recipe, seed): the record it is judged on and the verdict.
 
-    ``point`` is the student's best evaluation point at >= the bar's tokens per forward
-    (None when no point reaches it); ``met`` is whether it is within the bar's margin of
-    ``teacher`` (the teacher's exact match on the same ``completions``)."""
+    ``point`` is the student's evaluation point at >= the bar's tokens per forward that was
+    best on validation (``validation_completions`` of them), or best on the eval set itself
+    when that is None; None when no point reaches the bar's tokens per forward. ``met`` is
+    whether it is within the bar's margin of ``teacher`` (the teacher's exact match on the
+    same ``completions``)."""
 
     recipe: str
     task: str
@@ -50,6 +55,7 @@ class BarRow:
     teacher: float
     point: dict[str, Any] | None
     met: bool
+    validation_completions: int | None = None
 
     @property
     def gap(self) -> float | None:
@@ -86,11 +92,27 @@ def _judged(
     source: str,
     teacher: dict[str, Any],
     points: Sequence[dict[str, Any]],
+    validation: Sequence[dict[str, Any]],
     min_tokens_per_forward: float,
     within: float,
 ) -> BarRow:
-    fast = [p for p in points if p["tokens_per_forward"] >= min_tokens_per_forward]
-    best = max(fast, key=lambda p: p["overall"], default=None)
+    fast = {point_key(p): p for p in points if p["tokens_per_forward"] >= min_tokens_per_forward}
+    # The validation ranking decides among the eval points fast enough on both sets; without
+    # one, the eval points rank themselves.
+    ranked = sorted(
+        (
+            (p["overall"], -order, point_key(p))
+            for order, p in enumerate(validation)
+            if p["tokens_per_forward"] >= min_tokens_per_forward and point_key(p) in fast
+        ),
+        reverse=True,
+    )
+    if ranked:
+        best = fast[ranked[0][2]]
+        validation_completions = int(validation[0]["count"])
+    else:
+        best = max(fast.values(), key=lambda p: p["overall"], default=None)
+        validation_completions = None
     # A hair of slack so that a gap of exactly ``within`` (0.99 vs 1.00) is not lost to
     # floating-point rounding of the two fractions.
     met = best is not None and teacher["overall"] - best["overall"] <= within + 1e-9
@@ -103,6 +125,7 @@ def _judged(
         teacher=float(teacher["overall"]),
         point=best,
         met=met,
+        validation_completions=validation_completions,
     )
 
 
@@ -125,16 +148,17 @@ def bar_rows(
     # (recipe, seed) -> (completions, candidate arguments); the most completions win.
     best: dict[tuple[str, int], tuple[int, tuple]] = {}
 
-    def offer(recipe, cell, source, teacher, points) -> None:
+    def offer(recipe, cell, source, teacher, points, validation=()) -> None:
         key = (recipe, int(cell["seed"]))
         if key not in best or _completions(teacher) > best[key][0]:
-            best[key] = (_completions(teacher), (recipe, cell, source, teacher, points))
+            best[key] = (_completions(teacher), (recipe, cell, source, teacher, points, validation))
 
     for given in run_dirs:
         run_dir = Path(given)
         config = run_config(run_dir)  # refuses a directory that is not a parallelism run
         cells = load_cells(run_dir)
         bases = {name: _base_recipe(config, stored["cell"]) for name, stored in cells.items()}
+        validations = {name: _validation_points(run_dir, name) for name in cells}
         for name, stored in cells.items():
             offer(
                 bases[name],
@@ -142,21 +166,44 @@ def bar_rows(
                 f"{run_dir}/cells/{name}.json",
                 stored["teacher"],
                 stored["points"],
+                validations[name],
             )
             for path in sorted((run_dir / "reevaluations").glob(f"{name}__*.json")):
                 record = read_json(path)
-                offer(bases[name], stored["cell"], str(path), record["teacher"], record["points"])
+                offer(
+                    bases[name],
+                    stored["cell"],
+                    str(path),
+                    record["teacher"],
+                    record["points"],
+                    validations[name],
+                )
         for path in sorted((run_dir / "polish").glob("*.json")):
             record = read_json(path)
             name = next((n for n, s in cells.items() if s["cell"] == record["cell"]), None)
             if name is None:  # a stage whose cell record is gone: no recipe to name
                 continue
             cell = record["cell"]
-            offer(bases[name], cell, f"{path} (before)", record["teacher"], record["before"])
+            before = record["before"]
+            offer(
+                bases[name], cell, f"{path} (before)", record["teacher"], before, validations[name]
+            )
             stage = _stage_recipe(bases[name], record)
-            offer(stage, cell, str(path), record["teacher"], kept_points(record))
+            # The stage's own held-out points of the student it kept (older records: none).
+            kept = record["validation"].get("after" if record["kept"] == "after" else "before", [])
+            offer(stage, cell, str(path), record["teacher"], kept_points(record), kept)
     rows = [_judged(*arguments, min_tokens_per_forward, within) for _, arguments in best.values()]
     return sorted(rows, key=lambda row: (row.recipe, row.seed))
+
+
+def _validation_points(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The points of cell ``name``'s largest validation re-evaluation ([] without one)."""
+    records = [
+        read_json(path)
+        for path in sorted((run_dir / "reevaluations" / "validation").glob(f"{name}__*.json"))
+    ]
+    largest = max(records, key=lambda record: _completions(record["teacher"]), default=None)
+    return [] if largest is None else largest["points"]
 
 
 def bar_table(
@@ -166,7 +213,7 @@ def bar_table(
     if not rows:
         return "no finished cells"
     lines = [
-        f"| recipe | seed | completions | teacher | best student at >= {min_tokens_per_forward:g} "
+        f"| recipe | seed | completions | teacher | student at >= {min_tokens_per_forward:g} "
         f"tokens / forward | gap | within {within:g} |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -175,8 +222,14 @@ def bar_table(
             student, gap = "no point reaches it", "-"
         else:
             setting = f"{row.point['rule']} {row.point['setting']}"
+            chosen = (
+                "best on eval"
+                if row.validation_completions is None
+                else f"chosen on {row.validation_completions} validation completions"
+            )
             student = (
-                f"{row.point['overall']:.3f} ({setting}, {row.point['tokens_per_forward']:.2f})"
+                f"{row.point['overall']:.3f} ({setting}, {row.point['tokens_per_forward']:.2f}; "
+                f"{chosen})"
             )
             gap = f"{row.gap:+.3f}"
         lines.append(

@@ -11,8 +11,10 @@ schedule points and thresholds, at temperature 1 with the cell's seed::
 
 Each cell's record goes to ``reevaluations/<cell>__<prompts>x<samples>.json``, reused when
 present: a point it lacks (another ``--ks`` or ``--thresholds``) is measured and added to it,
-and the table printed shows the points asked for. Only cells with a record in ``cells/`` are read,
-so an unfinished OPD run is never trained from here.
+and the table printed shows the points asked for. ``--split validation`` measures the same on
+held-out prompts that are never reported, into ``reevaluations/validation/``: ``bar`` chooses
+the point it reports from those. Only cells with a record in ``cells/`` are read, so an
+unfinished OPD run is never trained from here.
 """
 
 from __future__ import annotations
@@ -84,12 +86,13 @@ def reevaluate_cell(
     evaluation: ExperimentConfig,
     cell: dict[str, Any],
     log: Log,
+    split: str = "eval",
 ) -> dict[str, Any]:
     """Load one finished cell's teacher and final student (:func:`finished_cell`) and
-    evaluate both with the ``evaluation`` configuration's eval set (``eval_prompts`` x
-    ``samples``, ``ks``, ``thresholds``)."""
+    evaluate both with the ``evaluation`` configuration (``eval_prompts`` x ``samples``,
+    ``ks``, ``thresholds``) on ``split``."""
     job, teacher, student = finished_cell(run_dir, trained, cell, log)
-    return evaluation_record(run_dir, evaluation, cell, job, teacher, student, log)
+    return evaluation_record(run_dir, evaluation, cell, job, teacher, student, log, split)
 
 
 def evaluation_record(
@@ -100,13 +103,15 @@ def evaluation_record(
     teacher: Any,
     student: Any,
     log: Log,
+    split: str = "eval",
 ) -> dict[str, Any]:
-    """The teacher's and ``student``'s evaluations on ``evaluation``'s eval set, as the
-    record :func:`reevaluate` stores."""
-    evaluating = Phases(run_dir, evaluation, log)
+    """The teacher's and ``student``'s evaluations on the first ``evaluation.eval_prompts``
+    prompts of ``split``, as the record :func:`reevaluate` stores."""
+    evaluating = Phases(run_dir, evaluation, log, split)
     teacher_report = evaluating.evaluate_teacher(job, teacher, cell["seed"])
     return {
         "cell": cell,
+        "split": split,
         "prompts": evaluation.eval_prompts,
         "samples": evaluation.samples,
         "teacher": teacher_report.to_dict(),
@@ -121,9 +126,14 @@ def reevaluate(
     samples: int,
     ks: Sequence[int],
     thresholds: Sequence[float],
+    split: str = "eval",
     log: Log = print,
 ) -> dict[str, dict[str, Any]]:
-    """Re-evaluate every finished cell of ``run_dir``; returns the records by cell name."""
+    """Re-evaluate every finished cell of ``run_dir`` on ``split`` (``"eval"``, or
+    ``"validation"`` to choose an evaluation point on prompts that are never reported);
+    returns the records by cell name. Raises :class:`ExperimentError` naming ``split``."""
+    if split not in SPLITS:
+        raise error("split", f"be one of {list(SPLITS)}", split)
     run_dir = Path(run_dir)
     trained = run_config(run_dir)
     evaluation = dataclasses.replace(
@@ -135,10 +145,10 @@ def reevaluate(
     )
     records = {}
     for name, record in load_cells(run_dir).items():
-        path = run_dir / "reevaluations" / f"{name}__{prompts}x{samples}.json"
+        path = record_path(run_dir, name, prompts, samples, split)
         stored = read_json(path)
         if stored is None:
-            stored = reevaluate_cell(run_dir, trained, evaluation, record["cell"], log)
+            stored = reevaluate_cell(run_dir, trained, evaluation, record["cell"], log, split)
             write_json(path, stored)
             log(f"wrote {path}")
         else:
@@ -149,7 +159,7 @@ def reevaluate(
                 # Each point is its own seeded evaluation, so a point added later is the
                 # one a single call would have measured; the record keeps every point.
                 job, _, student = finished_cell(run_dir, trained, record["cell"], log)
-                added = Phases(run_dir, evaluation, log).evaluate(
+                added = Phases(run_dir, evaluation, log, split).evaluate(
                     job,
                     student,
                     record["cell"]["seed"],
@@ -161,6 +171,16 @@ def reevaluate(
                 log(f"added {len(added)} point(s) to {path}")
         records[name] = {**stored, "points": requested_points(stored["points"], ks, thresholds)}
     return records
+
+
+SPLITS = ("eval", "validation")
+
+
+def record_path(run_dir: Path, name: str, prompts: int, samples: int, split: str) -> Path:
+    """Where :func:`reevaluate` keeps a cell's record: ``reevaluations/`` for the eval split,
+    ``reevaluations/validation/`` for the validation split."""
+    folder = run_dir / "reevaluations"
+    return (folder if split == "eval" else folder / split) / f"{name}__{prompts}x{samples}.json"
 
 
 def point_key(point: dict[str, Any]) -> tuple[str, Any]:
@@ -234,6 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Re-evaluate a parallelism run's finished cells on more eval prompts.",
     )
     evaluation_arguments(parser, ks=[8, 16])
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="eval",
+        help="validation: held-out prompts never reported, on which `bar` chooses the point "
+        "it reports from the eval records",
+    )
     args = parser.parse_args(argv)
     return run_command(
         lambda: reevaluate(
@@ -242,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             samples=args.samples,
             ks=args.ks,
             thresholds=args.thresholds,
+            split=args.split,
         )
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,49 @@ def test_points_below_the_parallelism_do_not_count(tmp_path):
     assert "no point reaches it" in bar_table([row], min_tokens_per_forward=13.0)
 
 
+def _validation(
+    run_dir: Path, seed: int, fast: float, slow: float, *, prompts: int = 128, fast_speed=12.0
+) -> None:
+    """A validation re-evaluation (``prompts`` x 4) of the run's cell: the k = 16 point
+    (``fast_speed`` tokens per forward) scoring ``fast``, the threshold point (9) ``slow``."""
+    name = f"reverse__mdlm__reverse_kl+mean_to_go__seed{seed}"
+    count = prompts * 4
+    write_json(
+        run_dir / "reevaluations" / "validation" / f"{name}__{prompts}x4.json",
+        {
+            "cell": {"seed": seed},
+            "split": "validation",
+            "teacher": _teacher(1.0, count),
+            "points": [
+                _point("schedule", 16, fast, fast_speed, count),
+                _point("threshold", 0.9, slow, 9.0, count),
+            ],
+        },
+    )
+
+
+def test_the_reported_point_is_the_one_best_on_validation_when_there_is_one(tmp_path):
+    # On eval the threshold point (made 9 tokens per forward) would win: 0.99 vs 0.97.
+    run_dir = _run_dir(tmp_path, 0, teacher=1.0, fast=0.97, slow=0.99)
+    cell = run_dir / "cells" / "reverse__mdlm__reverse_kl+mean_to_go__seed0.json"
+    record = json.loads(cell.read_text())
+    record["points"][1]["tokens_per_forward"] = 9.0
+    write_json(cell, record)
+    (row,) = bar_rows([run_dir])
+    assert (row.point["rule"], row.validation_completions, row.met) == ("threshold", None, True)
+    assert "best on eval" in bar_table([row])
+    # Validation ranks k = 16 first: its eval score is reported, and it misses the bar.
+    _validation(run_dir, 0, fast=0.95, slow=0.90)
+    (row,) = bar_rows([run_dir])
+    assert (row.point["rule"], row.point["overall"]) == ("schedule", 0.97)
+    assert (row.validation_completions, row.met) == (512, False)
+    assert "chosen on 512 validation completions" in bar_table([row])
+    # The largest validation record decides; a point too slow there is not a choice.
+    _validation(run_dir, 0, fast=0.95, slow=0.90, prompts=256, fast_speed=6.0)
+    (row,) = bar_rows([run_dir])
+    assert (row.point["rule"], row.validation_completions, row.met) == ("threshold", 1024, True)
+
+
 @pytest.mark.parametrize(
     ("arguments", "field"),
     [
@@ -136,8 +180,25 @@ def test_bad_arguments_are_refused_naming_the_field(tmp_path, arguments, field):
 def test_command_prints_the_table_and_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
     run_dir = _run_dir(tmp_path, 0, teacher=1.0, fast=0.995, slow=0.5)
     assert main([str(run_dir)]) == 0
-    assert "0.995 (schedule 16, 12.00)" in capsys.readouterr().out
+    assert "0.995 (schedule 16, 12.00; best on eval)" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2
     assert "`run_dir` must hold a distill.experiments.parallelism/v1 run" in (
         capsys.readouterr().err
     )
+
+
+def test_a_polish_stage_is_judged_at_the_point_its_kept_student_won_on_validation(tmp_path):
+    run_dir = _run_dir(tmp_path, 0, teacher=1.0, fast=0.9, slow=0.9)
+    _polish(run_dir, 0, teacher=1.0, before=0.9, after=0.99, kept="after")
+    path = run_dir / "polish" / "stage__256x4__val128.json"
+    record = json.loads(path.read_text())
+    record["points"].append(_point("threshold", 0.9, 0.995, 11.0, 1024))
+    # The stage's held-out points rank k = 16 above the threshold (eval says the opposite).
+    record["validation"]["after"] = [
+        _point("schedule", 16, 0.98, 12.0, 512),
+        _point("threshold", 0.9, 0.97, 11.0, 512),
+    ]
+    write_json(path, record)
+    stage = next(row for row in bar_rows([run_dir]) if "forward_kl" in row.recipe)
+    assert (stage.point["rule"], stage.point["overall"]) == ("schedule", 0.99)
+    assert stage.validation_completions == 512

@@ -169,6 +169,14 @@ def test_reevaluation_at_another_threshold_adds_the_point_a_single_call_would_me
     assert reevaluate(run_dir, **quiet)[CELL] == first  # the table shows what was asked
     saved.unlink()
     assert reevaluate(run_dir, **(quiet | {"thresholds": [0.5, 0.9]}))[CELL] == wider
+    # Held-out prompts (for `bar` to choose a point on) are kept apart from the eval records.
+    with pytest.raises(experiment.ExperimentError, match="`split` must be one of"):
+        reevaluate(run_dir, **quiet, split="train")
+    held_out = reevaluate(run_dir, **quiet, split="validation")[CELL]
+    assert held_out["split"] == "validation" and held_out["teacher"]["count"] == 4
+    stored = run_dir / "reevaluations" / "validation" / f"{CELL}__2x2.json"
+    assert json.loads(stored.read_text()) == held_out
+    assert json.loads(saved.read_text())["split"] == "eval"
 
 
 @pytest.mark.slow
