@@ -297,6 +297,13 @@ def _record_name(record: Mapping[str, Any]) -> str:
 # ---- one cell --------------------------------------------------------------------------------
 
 
+# The splits a run is scored on (``train`` never is); ``validation`` only for choices.
+EVALUATION_SPLITS = ("eval", "validation")
+# The commit rules evaluated at given settings (``--ks``, ``--thresholds``); a learned rule
+# is evaluated as trained.
+SWEPT_RULES = ("schedule", "threshold")
+
+
 def _point(rule: str, setting: float | int | str, report: Any) -> dict[str, Any]:
     return {"rule": rule, "setting": setting, **report.to_dict()}
 
@@ -307,10 +314,8 @@ class Phases:
     held-out ``"validation"`` for choices made from measurements)."""
 
     def __init__(self, run_dir: Path, config: ExperimentConfig, log: Log, split: str = "eval"):
-        from distill.data.stream import SPLITS
-
-        if split == "train" or split not in SPLITS:
-            raise _error("split", "be eval or validation", split)
+        if split not in EVALUATION_SPLITS:
+            raise _error("split", f"be one of {list(EVALUATION_SPLITS)}", split)
         self.run_dir, self.config, self.log, self.split = run_dir, config, log, split
         self._teachers: dict[tuple[str, int], Any] = {}
 
@@ -400,7 +405,7 @@ class Phases:
             points.append(_point("schedule", k, measure(at_parallelism(base, k, block))))
         for threshold in self.config.thresholds if thresholds is None else thresholds:
             points.append(_point("threshold", threshold, measure(at_threshold(base, threshold))))
-        if base.commit_rule not in ("schedule", "threshold"):
+        if base.commit_rule not in SWEPT_RULES:
             points.append(_point(base.commit_rule, "as trained", measure(base)))
         return points
 

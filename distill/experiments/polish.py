@@ -42,6 +42,7 @@ from typing import Any
 
 from distill.experiments.parallelism import (
     LOSS_VARIANTS,
+    SWEPT_RULES,
     Phases,
     cell_job,
     check_overrides,
@@ -135,7 +136,7 @@ def polish(
         if record is not None:
             stored = [point_key(point) for point in record["validation"]["before"]]
             asked = requested_keys(ks, thresholds) + [
-                key for key in stored if key[0] not in ("schedule", "threshold")
+                key for key in stored if key[0] not in SWEPT_RULES
             ]
             if stored != asked:
                 # Which student is kept was judged on these points: another set is another

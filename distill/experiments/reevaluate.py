@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from distill.experiments.parallelism import (
+    EVALUATION_SPLITS,
     FORMAT,
     LOSS_VARIANTS,
+    SWEPT_RULES,
     ExperimentConfig,
     Phases,
     cell_job,
@@ -132,8 +134,8 @@ def reevaluate(
     """Re-evaluate every finished cell of ``run_dir`` on ``split`` (``"eval"``, or
     ``"validation"`` to choose an evaluation point on prompts that are never reported);
     returns the records by cell name. Raises :class:`ExperimentError` naming ``split``."""
-    if split not in SPLITS:
-        raise error("split", f"be one of {list(SPLITS)}", split)
+    if split not in EVALUATION_SPLITS:
+        raise error("split", f"be one of {list(EVALUATION_SPLITS)}", split)
     run_dir = Path(run_dir)
     trained = run_config(run_dir)
     evaluation = dataclasses.replace(
@@ -166,14 +168,13 @@ def reevaluate(
                     ks=missing_ks,
                     thresholds=missing_thresholds,
                 )
-                stored["points"] += [point for point in added if point_key(point) not in have]
+                # A learned rule's point comes back with every call; it is already stored.
+                new_points = [point for point in added if point_key(point) not in have]
+                stored["points"] += new_points
                 write_json(path, stored)
-                log(f"added {len(added)} point(s) to {path}")
+                log(f"added {len(new_points)} point(s) to {path}")
         records[name] = {**stored, "points": requested_points(stored["points"], ks, thresholds)}
     return records
-
-
-SPLITS = ("eval", "validation")
 
 
 def record_path(run_dir: Path, name: str, prompts: int, samples: int, split: str) -> Path:
@@ -200,7 +201,7 @@ def requested_points(
     learned commit rule (measured as trained, whatever was asked)."""
     by_key = {point_key(point): point for point in points}
     keys = requested_keys(ks, thresholds)
-    learned = [point for point in points if point["rule"] not in ("schedule", "threshold")]
+    learned = [point for point in points if point["rule"] not in SWEPT_RULES]
     return [by_key[key] for key in keys if key in by_key] + learned
 
 
@@ -256,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluation_arguments(parser, ks=[8, 16])
     parser.add_argument(
         "--split",
-        choices=SPLITS,
+        choices=EVALUATION_SPLITS,
         default="eval",
         help="validation: held-out prompts never reported, on which `bar` chooses the point "
         "it reports from the eval records",

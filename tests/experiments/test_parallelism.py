@@ -278,7 +278,9 @@ def test_the_kept_student_must_win_on_held_out_prompts_strictly():
 
 
 def test_evaluation_phases_read_only_held_out_splits(tmp_path):
-    with pytest.raises(experiment.ExperimentError, match="`split` must be eval or validation"):
+    with pytest.raises(
+        experiment.ExperimentError, match=r"`split` must be one of \[.eval., .validation.\]"
+    ):
         experiment.Phases(tmp_path, CONFIG, print, "train")
 
 
