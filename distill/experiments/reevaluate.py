@@ -129,11 +129,13 @@ def reevaluate(
     ks: Sequence[int],
     thresholds: Sequence[float],
     split: str = "eval",
+    cells: Sequence[str] | None = None,
     log: Log = print,
 ) -> dict[str, dict[str, Any]]:
-    """Re-evaluate every finished cell of ``run_dir`` on ``split`` (``"eval"``, or
-    ``"validation"`` to choose an evaluation point on prompts that are never reported);
-    returns the records by cell name. Raises :class:`ExperimentError` naming ``split``."""
+    """Re-evaluate the finished cells of ``run_dir`` (all of them, or those ``cells`` names)
+    on ``split`` (``"eval"``, or ``"validation"`` to choose an evaluation point on prompts
+    that are never reported); returns the records by cell name. Raises
+    :class:`ExperimentError` naming ``split`` or ``cells`` (a name with no finished cell)."""
     if split not in EVALUATION_SPLITS:
         raise error("split", f"be one of {list(EVALUATION_SPLITS)}", split)
     run_dir = Path(run_dir)
@@ -145,8 +147,14 @@ def reevaluate(
         ks=tuple(ks),
         thresholds=tuple(thresholds),
     )
+    finished = load_cells(run_dir)
+    if cells is not None:
+        unknown = [name for name in cells if name not in finished]
+        if unknown or not cells:
+            raise error("cells", f"name finished cells of the run (of {list(finished)})", unknown)
+        finished = {name: finished[name] for name in cells}
     records = {}
-    for name, record in load_cells(run_dir).items():
+    for name, record in finished.items():
         path = record_path(run_dir, name, prompts, samples, split)
         stored = read_json(path)
         if stored is None:
@@ -262,6 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="validation: held-out prompts never reported, on which `bar` chooses the point "
         "it reports from the eval records",
     )
+    parser.add_argument(
+        "--cells",
+        nargs="+",
+        help="only these finished cells (names as in the run's cells/ folder); default all",
+    )
     args = parser.parse_args(argv)
     return run_command(
         lambda: reevaluate(
@@ -271,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ks=args.ks,
             thresholds=args.thresholds,
             split=args.split,
+            cells=args.cells,
         )
     )
 

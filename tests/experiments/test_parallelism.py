@@ -180,6 +180,16 @@ def test_reevaluation_at_another_threshold_adds_the_point_a_single_call_would_me
 
 
 @pytest.mark.slow
+def test_reevaluation_of_named_cells_refuses_a_cell_that_did_not_finish(finished):
+    run_dir, _ = finished
+    quiet = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
+    assert set(reevaluate(run_dir, **quiet, cells=[CELL])) == {CELL}
+    for cells in ([CELL.replace("seed0", "seed1")], []):
+        with pytest.raises(experiment.ExperimentError, match="`cells` must name finished cells"):
+            reevaluate(run_dir, **quiet, cells=cells)
+
+
+@pytest.mark.slow
 def test_a_polish_stage_continues_each_opd_cell_keeps_the_held_out_winner_and_reuses_it(finished):
     run_dir, _ = finished
     checkpoints = run_dir / "opd" / CELL / "checkpoints"
