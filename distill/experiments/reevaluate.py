@@ -13,8 +13,9 @@ Each cell's record goes to ``reevaluations/<cell>__<prompts>x<samples>.json``, r
 present: a point it lacks (another ``--ks`` or ``--thresholds``) is measured and added to it,
 and the table printed shows the points asked for. ``--split validation`` measures the same on
 held-out prompts that are never reported, into ``reevaluations/validation/``: ``bar`` chooses
-the point it reports from those. Only cells with a record in ``cells/`` are read, so an
-unfinished OPD run is never trained from here.
+the point it reports from those. ``--cells NAME...`` re-scores only the named cells. Only
+cells with a record in ``cells/`` are read, so an unfinished OPD run is never trained from
+here.
 """
 
 from __future__ import annotations

@@ -183,10 +183,17 @@ def test_reevaluation_at_another_threshold_adds_the_point_a_single_call_would_me
 def test_reevaluation_of_named_cells_refuses_a_cell_that_did_not_finish(finished):
     run_dir, _ = finished
     quiet = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
-    assert set(reevaluate(run_dir, **quiet, cells=[CELL])) == {CELL}
-    for cells in ([CELL.replace("seed0", "seed1")], []):
-        with pytest.raises(experiment.ExperimentError, match="`cells` must name finished cells"):
-            reevaluate(run_dir, **quiet, cells=cells)
+    # A second finished cell (a copy of the record under another name) that is not asked for.
+    other = run_dir / "cells" / "other__seed0.json"
+    other.write_text((run_dir / "cells" / f"{CELL}.json").read_text())
+    try:
+        assert set(reevaluate(run_dir, **quiet, cells=[CELL])) == {CELL}
+        assert not (run_dir / "reevaluations" / "other__seed0__2x2.json").exists()
+        for cells in ([CELL.replace("seed0", "seed1")], []):
+            with pytest.raises(experiment.ExperimentError, match="`cells` must name finished"):
+                reevaluate(run_dir, **quiet, cells=cells)
+    finally:
+        other.unlink()
 
 
 @pytest.mark.slow
