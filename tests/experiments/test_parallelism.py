@@ -180,7 +180,7 @@ def test_reevaluation_at_another_threshold_adds_the_point_a_single_call_would_me
 
 
 @pytest.mark.slow
-def test_reevaluation_of_named_cells_refuses_a_cell_that_did_not_finish(finished):
+def test_reevaluation_of_named_cells_scores_only_those_and_refuses_an_unfinished_name(finished):
     run_dir, _ = finished
     quiet = dict(prompts=2, samples=2, ks=[16], thresholds=[0.9], log=lambda message: None)
     # A second finished cell (a copy of the record under another name) that is not asked for.
