@@ -35,7 +35,7 @@ ObjectiveKind = Literal["block_ce", "mdlm", "self_corrupted", "coordination", "c
 StopFill = Literal["block", "none"]
 LossKind = Literal["reverse_kl", "forward_kl", "reverse_kl_full", "jsd"]
 Advantage = Literal["token", "return_to_go", "mean_to_go", "sequence"]
-TaskName = Literal["copy", "reverse", "sort", "addition", "agree", "sudoku"]
+TaskName = Literal["copy", "reverse", "sort", "addition", "addition_lsb", "agree", "sudoku"]
 
 # The only (alignment, canvas) pairs accepted anywhere; everything else fails closed.
 SUPPORTED_CONTRACTS: frozenset[tuple[str, str]] = frozenset(

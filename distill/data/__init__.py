@@ -1,7 +1,7 @@
 """Data for distillation: verifiable synthetic tasks, deterministic streams, a text corpus.
 
-* :mod:`distill.data.tasks` -- the tasks (copy, reverse, sort, addition, agree, sudoku), their
-  exact verifiers, :class:`Example`, the :data:`TASKS` registry and
+* :mod:`distill.data.tasks` -- the tasks (copy, reverse, sort, addition, addition_lsb,
+  agree, sudoku), their exact verifiers, :class:`Example`, the :data:`TASKS` registry and
   :func:`max_sequence_length` (the longest encoded row of a stream, to size a model).
 * :mod:`distill.data.stream` -- :class:`TaskStream`, a resumable stream whose position ``k``
   depends on ``(seed, split, k)`` only, and :func:`encode_example`.

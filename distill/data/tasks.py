@@ -5,16 +5,17 @@ exactly. Prompts read ``"<prefix>:<body>|"``: they always end with the separator
 completion starts right after it, and they use only characters of
 :data:`distill.tokenizer.DEFAULT_ALPHABET`, as do all answers.
 
-=========  ======================  ======================  =====================================
-task       prompt                  reference answer        ``length`` is
-=========  ======================  ======================  =====================================
-copy       ``copy:qbz|``           ``qbz``                 the number of letters
-reverse    ``reverse:qbz|``        ``zbq``                 the number of letters
-sort       ``sort:qbz|``           ``bqz``                 the number of letters
-addition   ``add:123+45|``         ``168``                 the digits of the longer operand
-agree      ``agree:4|``            ``dddd`` (any symbol)   the number of positions that agree
-sudoku     ``sudoku:1?34,...|``    ``1234,3412,...``       the number of blank cells (1..16)
-=========  ======================  ======================  =====================================
+============  ======================  ======================  ==================================
+task          prompt                  reference answer        ``length`` is
+============  ======================  ======================  ==================================
+copy          ``copy:qbz|``           ``qbz``                 the number of letters
+reverse       ``reverse:qbz|``        ``zbq``                 the number of letters
+sort          ``sort:qbz|``           ``bqz``                 the number of letters
+addition      ``add:123+45|``         ``168``                 the digits of the longer operand
+addition_lsb  ``addlsb:123+45|``      ``861`` (lowest first)  the digits of the longer operand
+agree         ``agree:4|``            ``dddd`` (any symbol)   the positions that agree
+sudoku        ``sudoku:1?34,...|``    ``1234,3412,...``       the blank cells (1..16)
+============  ======================  ======================  ==================================
 
 ``verify(prompt, completion)`` judges the completion text (already cut before the stop token)
 on its own merits: a task with many correct answers (``agree``, an under-determined ``sudoku``)
@@ -23,7 +24,7 @@ is not one of the task's own raises :class:`DataError` naming `prompt`: that is 
 wrong completion.
 
 Only ``sudoku`` caps ``length``: the long specs of ``deploy/configs/long-tasks.yaml`` (copy,
-reverse, sort and addition at 16-32, answers of 16-33 characters) and ``agree16.yaml`` (16
+reverse, sort, addition and addition_lsb at 16-32, answers of 16-33 characters) and ``agree16.yaml`` (16
 letters) are the same tasks at larger lengths. :func:`max_sequence_length` bounds a stream's
 encoded rows, so a config can check that its models hold them.
 
@@ -45,6 +46,7 @@ __all__ = [
     "AGREE_SYMBOLS",
     "SEPARATOR",
     "TASKS",
+    "AdditionLsbTask",
     "AdditionTask",
     "AgreeTask",
     "CopyTask",
@@ -222,12 +224,16 @@ class AdditionTask:
         first = str(int(rng.integers(1, 10)))
         return first + "".join(str(d) for d in rng.integers(0, 10, size=digits - 1))
 
+    def _write(self, total: int) -> str:
+        """The answer text of the sum ``total``."""
+        return str(total)
+
     def sample(self, rng: np.random.Generator, length: int) -> tuple[str, str]:
         length = _check_length(self, length)
         long = self._number(rng, length)
         short = self._number(rng, int(rng.integers(1, length + 1)))
         left, right = (long, short) if rng.integers(0, 2) == 0 else (short, long)
-        return f"{self.prefix}:{left}+{right}{SEPARATOR}", str(int(left) + int(right))
+        return f"{self.prefix}:{left}+{right}{SEPARATOR}", self._write(int(left) + int(right))
 
     def max_answer_length(self, length: int) -> int:
         return length + 1
@@ -238,9 +244,26 @@ class AdditionTask:
     def verify(self, prompt: str, completion: str) -> bool:
         match = self._body_re.fullmatch(_body(self, prompt))
         if match is None:
-            raise _error("prompt", "read 'add:<int>+<int>|' for task 'addition'", prompt)
-        expected = str(int(match.group(1)) + int(match.group(2)))
+            raise _error(
+                "prompt", f"read '{self.prefix}:<int>+<int>|' for task {self.name!r}", prompt
+            )
+        expected = self._write(int(match.group(1)) + int(match.group(2)))
         return isinstance(completion, str) and completion == expected
+
+
+class AdditionLsbTask(AdditionTask):
+    """``addlsb:123+45|`` -> ``861``: the same sum written least significant digit first.
+
+    The operands read as in ``addition``; only the answer's order differs, so a causal writer
+    meets each carry before the digit it changes (``addition`` makes it resolve the whole
+    carry chain before its first digit).
+    """
+
+    name = "addition_lsb"
+    prefix = "addlsb"
+
+    def _write(self, total: int) -> str:
+        return str(total)[::-1]
 
 
 class AgreeTask:
@@ -388,7 +411,15 @@ class SudokuTask:
 #: Every task by name, in the order of ``distill.config.TaskName``.
 TASKS: Mapping[str, Task] = {
     task.name: task
-    for task in (CopyTask(), ReverseTask(), SortTask(), AdditionTask(), AgreeTask(), SudokuTask())
+    for task in (
+        CopyTask(),
+        ReverseTask(),
+        SortTask(),
+        AdditionTask(),
+        AdditionLsbTask(),
+        AgreeTask(),
+        SudokuTask(),
+    )
 }
 
 _BY_PREFIX: Mapping[str, Task] = {task.prefix: task for task in TASKS.values()}

@@ -107,6 +107,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
         _long("reverse"),
         _long("sort"),
         _long("addition"),
+        _long("addition_lsb"),
         TaskSpec("long-mix", "deploy/configs/long-tasks.yaml"),
     )
 }

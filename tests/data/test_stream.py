@@ -51,7 +51,9 @@ def test_every_example_verifies_and_uses_the_alphabet(seed: int, position: int) 
 
 def test_pinned_examples() -> None:
     # Pinned: a change means the stream format changed, so bump STREAM_FORMAT deliberately.
-    stream = TaskStream(tasks=ALL_TASKS, seed=0, min_length=1, max_length=8)
+    # The task list is spelled out: a task added to the registry is not a format change.
+    pinned_tasks = ("copy", "reverse", "sort", "addition", "agree", "sudoku")
+    stream = TaskStream(tasks=pinned_tasks, seed=0, min_length=1, max_length=8)
     assert stream.example(0) == Example(
         "sudoku", "sudoku:????,2431,1342,42??|", "3124,2431,1342,4213", 0
     )

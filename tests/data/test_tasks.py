@@ -82,7 +82,7 @@ def test_sampling_is_a_function_of_the_generator_only() -> None:
         assert first == again, name
 
 
-@pytest.mark.parametrize("name", ["copy", "reverse", "sort", "addition"])
+@pytest.mark.parametrize("name", ["copy", "reverse", "sort", "addition", "addition_lsb"])
 def test_typical_wrong_answers_are_rejected(name: str) -> None:
     task = TASKS[name]
     for prompt, answer in _samples(name):
@@ -99,6 +99,9 @@ def test_typical_wrong_answers_are_rejected(name: str) -> None:
         if name == "addition":
             value = int(answer)
             wrong |= {str(value + 1), str(value - 1), "0" + answer, "+" + answer, str(value + 10)}
+        elif name == "addition_lsb":
+            value = int(answer[::-1])
+            wrong |= {str(value + 1)[::-1], answer + "0", "+" + answer, answer[::-1] + "x"}
         else:
             # change one letter
             swapped = ("b" if answer[0] == "a" else "a") + answer[1:]
@@ -127,6 +130,25 @@ def test_addition_known_cases() -> None:
     assert not task.verify("add:0+0|", "00")
     assert not task.verify("add:123+45|", "0168")
     assert not task.verify("add:123+45|", "167")
+
+
+def test_addition_lsb_writes_the_same_sum_lowest_digit_first() -> None:
+    task = TASKS["addition_lsb"]
+    assert task.verify("addlsb:123+45|", "861")
+    assert task.verify("addlsb:999+1|", "0001")
+    assert task.verify("addlsb:0+0|", "0")
+    assert not task.verify("addlsb:123+45|", "168")  # the plain order is wrong here
+    assert not task.verify("addlsb:999+1|", "1")
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        prompt, answer = task.sample(rng, 5)
+        plain_prompt, plain_answer = TASKS["addition"].sample(np.random.default_rng(seed), 5)
+        assert prompt == "addlsb:" + plain_prompt.removeprefix("add:")
+        assert answer == plain_answer[::-1]
+    with pytest.raises(DataError, match="^`prompt` must read 'addlsb:"):
+        task.verify("add:1+2|", "3")  # the plain task's prompt
+    with pytest.raises(DataError, match=r"^`prompt` must read 'addlsb:<int>\+<int>\|'"):
+        task.verify("addlsb:1+|", "1")
 
 
 def test_addition_operands_have_the_requested_digits() -> None:
