@@ -418,6 +418,28 @@ class JobConfig(_Config):
 
         check_cross_tokenizer_loss(self.loss.kind, self.loss.advantage, self.loss.teacher_top_k)
 
+    def _check_row_lengths(self) -> None:
+        """Under character tokenizers (one id per character) both models hold the stream's
+        longest row (bos, prompt, answer, stop); other tokenizers are not checked here."""
+        kinds = {self.tokenizer.get("kind"), (self.teacher_tokenizer or {}).get("kind", "char")}
+        if kinds != {"char"}:
+            return
+        from distill.data.tasks import DataError, max_sequence_length
+
+        try:
+            rows = max_sequence_length(self.data.tasks, self.data.min_length, self.data.max_length)
+        except DataError:
+            return  # a length a task refuses: the stream names it (TaskStream)
+        for name in ("teacher", "student"):
+            model = getattr(self, name)
+            if model.max_length < rows:
+                raise _field_error(
+                    f"{name}.max_length",
+                    f"hold the data stream's longest row of {rows} ids (bos, prompt, answer and "
+                    f"stop of {', '.join(self.data.tasks)} at length {self.data.max_length})",
+                    model.max_length,
+                )
+
     def _check_planner(self) -> None:
         """The planner rule needs a student with a planner head and the joint reverse-KL
         policy gradient; the per-forward cost only trains planner decisions."""
@@ -510,6 +532,7 @@ class JobConfig(_Config):
                         "student_init is 'teacher'",
                         getattr(self.student, field),
                     )
+        self._check_row_lengths()
         if self.teacher_tokenizer is not None:
             self._check_teacher_tokenizer()
         elif self.student.vocab_size != self.teacher.vocab_size + self.mask_appended:

@@ -195,3 +195,19 @@ def test_a_yaml_syntax_error_names_the_file_or_override_and_the_line(tmp_path):
         ConfigError, match=r"`override` must hold valid YAML; received 'data.tasks=\[copy'"
     ):
         load_config(None, JobConfig, ["data.tasks=[copy"])
+
+
+def test_models_too_short_for_the_streams_longest_row_are_refused_by_name():
+    path = "deploy/configs/long-tasks.yaml"  # 32-digit sums: 1 + 70 + 33 + 1 = 105 ids
+    for model in ("teacher", "student"):
+        with pytest.raises(ConfigError, match=rf"^`{model}.max_length` must hold .* 105 ids"):
+            load_config(path, JobConfig, [f"{model}.max_length=104"])
+    exact = ["teacher.max_length=105", "student.max_length=105"]
+    assert load_config(path, JobConfig, exact).teacher.max_length == 105
+    # Another tokenizer's ids per character are not known here: not refused.
+    hf = [
+        "teacher_tokenizer={kind: hf, name: x}",
+        "teacher.max_length=16",
+        "loss.advantage=sequence",
+    ]
+    assert load_config(path, JobConfig, hf).teacher.max_length == 16

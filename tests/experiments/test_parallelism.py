@@ -57,7 +57,12 @@ def test_the_grid_names_the_issue_objectives_and_losses():
         "planner",
         "planner+cost",
     ]
-    assert {"agree16", "copy", "reverse", "sort", "addition"} <= set(experiment.TASK_SPECS)
+    assert {"agree16", "copy", "reverse", "sort", "addition", "addition_lsb"} <= set(
+        experiment.TASK_SPECS
+    )
+    for name in ("addition", "addition_lsb"):  # validated: the rows fit the 128-slot models
+        job = experiment.cell_job(name, "mdlm", "none", 0, CONFIG)
+        assert job.data.tasks == (name,) and (job.data.min_length, job.data.max_length) == (16, 32)
     with pytest.raises(experiment.ExperimentError, match="`variant.name` must not be"):
         experiment.register_loss_variant(experiment.LOSS_VARIANTS["none"])
 
