@@ -24,9 +24,9 @@ is not one of the task's own raises :class:`DataError` naming `prompt`: that is 
 wrong completion.
 
 Only ``sudoku`` caps ``length``: the long specs of ``deploy/configs/long-tasks.yaml`` (copy,
-reverse, sort, addition and addition_lsb at 16-32, answers of 16-33 characters) and ``agree16.yaml`` (16
-letters) are the same tasks at larger lengths. :func:`max_sequence_length` bounds a stream's
-encoded rows, so a config can check that its models hold them.
+reverse, sort, addition and addition_lsb at 16-32, answers of 16-33 characters) and
+``agree16.yaml`` (16 letters) are the same tasks at larger lengths. :func:`max_sequence_length`
+bounds a stream's encoded rows; a job config refuses models that cannot hold them.
 
 ``agree`` is the research note's probe: the ``k`` positions must hold the same symbol, but which
 of the :data:`AGREE_SYMBOLS` is free, so sampling the positions independently in parallel fails.
