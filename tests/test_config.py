@@ -1,5 +1,7 @@
 """Configs: validation names the field, YAML + dotted overrides, contract combinations."""
 
+from pathlib import Path
+
 import pytest
 
 from distill.config import (
@@ -198,7 +200,8 @@ def test_a_yaml_syntax_error_names_the_file_or_override_and_the_line(tmp_path):
 
 
 def test_models_too_short_for_the_streams_longest_row_are_refused_by_name():
-    path = "deploy/configs/long-tasks.yaml"  # 32-digit sums: 1 + 70 + 33 + 1 = 105 ids
+    # 32-digit sums: 1 + 70 + 33 + 1 = 105 ids
+    path = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "long-tasks.yaml"
     for model in ("teacher", "student"):
         with pytest.raises(ConfigError, match=rf"^`{model}.max_length` must hold .* 105 ids"):
             load_config(path, JobConfig, [f"{model}.max_length=104"])
