@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from distill.allocator import GLIBC_TUNABLES, training_environment
 from services.common.config import ClusterConfig, RoleConfig
 
 RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -46,7 +47,7 @@ def actor_options(
         options["name"] = name
     if role.resources:
         options["resources"] = dict(role.resources)
-    env = dict(RAY_ENVIRONMENT)
+    env = process_environment()
     if role.cpu_threads is not None:
         # A dedicated process whose XLA CPU backend uses that many threads (set before JAX
         # is imported there).
@@ -55,6 +56,16 @@ def actor_options(
         env["DISTILL_CPU_AFFINITY"] = ",".join(str(core) for core in role.cpu_affinity)
     options["runtime_env"] = {"env_vars": env}
     return options
+
+
+def process_environment() -> dict[str, str]:
+    """Environment variables of every process a job starts on Ray (its actors, the task that
+    trains the teacher and warms up the student): :data:`RAY_ENVIRONMENT` and the glibc
+    settings of :mod:`distill.allocator` (read once, at the process's start; a value the
+    driver's environment sets for a tunable wins)."""
+    env = dict(RAY_ENVIRONMENT)
+    env[GLIBC_TUNABLES] = training_environment(os.environ)[GLIBC_TUNABLES]
+    return env
 
 
 def logical_cpus(cluster: ClusterConfig) -> float:

@@ -47,7 +47,7 @@ from typing import Any
 from distill.data.stream import TaskStream, encode_example
 from distill.job import JobPlan, job_teacher_tokenizer
 from services.cluster import actors
-from services.cluster.placement import actor_options, start_ray
+from services.cluster.placement import actor_options, process_environment, start_ray
 from services.common.auth import read_token
 from services.common.config import JobSpec, RoleConfig
 from services.jobs.checks import check_teachers
@@ -295,7 +295,9 @@ def run_job(
     placed: list[PlacedActor] = []
     try:
         log(f"== phases: teacher and student warm-up in {run_dir}")
-        phase_task = ray.remote(num_cpus=1)(_train_phases)
+        phase_task = ray.remote(num_cpus=1, runtime_env={"env_vars": process_environment()})(
+            _train_phases
+        )
         _wait(
             phase_task.remote(payload, str(run_dir), progress),
             None,

@@ -29,6 +29,22 @@ def test_role_limits_reach_the_actor_process_environment():
     assert env["RAY_USAGE_STATS_ENABLED"] == "0" and options["max_concurrency"] == 2
 
 
+def test_every_actor_and_the_phase_task_start_with_the_training_malloc_settings(monkeypatch):
+    from distill.allocator import GLIBC_TUNABLES
+    from services.cluster.placement import actor_options, process_environment
+    from services.common.config import RoleConfig
+
+    monkeypatch.delenv(GLIBC_TUNABLES, raising=False)
+    tunables = actor_options(RoleConfig())["runtime_env"]["env_vars"][GLIBC_TUNABLES]
+    assert "glibc.malloc.arena_max=1" in tunables.split(":")
+    assert process_environment()[GLIBC_TUNABLES] == tunables
+    # A value the driver's environment sets for a tunable wins.
+    monkeypatch.setenv(GLIBC_TUNABLES, "glibc.malloc.arena_max=8")
+    tunables = actor_options(RoleConfig())["runtime_env"]["env_vars"][GLIBC_TUNABLES]
+    assert "glibc.malloc.arena_max=8" in tunables.split(":")
+    assert "glibc.malloc.mmap_max=0" in tunables.split(":")
+
+
 def test_an_empty_or_negative_affinity_is_refused_by_name():
     import pytest
 
